@@ -1,0 +1,232 @@
+"""The launcher: start, readiness, stop, no orphans, and each startup error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import triton_npu_client as tnc
+from triton_npu_client import _local, cli
+
+
+def _write_model(repo: Path, name: str, body: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(
+        textwrap.dedent(
+            f"""
+            name: "{name}"
+            backend: "python"
+            max_batch_size: 8
+            input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+            output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+            instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+            """
+        )
+    )
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(body))
+
+
+GOOD_MODEL = """
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return out
+"""
+BAD_MODEL = """
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("this model refuses to load")
+"""
+
+
+def test_session_server_urls_and_ready(triton_server: tnc.LocalTriton) -> None:
+    """The session server is running on loopback, with three distinct ports and both URLs formed."""
+    assert triton_server.is_running
+    ports = {triton_server.http_port, triton_server.grpc_port, triton_server.metrics_port}
+    assert len(ports) == 3
+    assert triton_server.grpc_url == f"grpc://127.0.0.1:{triton_server.grpc_port}"
+    assert triton_server.http_url == f"http://127.0.0.1:{triton_server.http_port}"
+    # The server process and one stub for scale_fp32 are alive and marked as ours.
+    assert triton_server.pid in triton_server.processes()
+
+
+def test_sync_start_stop_leaves_no_process(tmp_path: Path) -> None:
+    """A sync context manager starts a server with a stub, and stopping it leaves no process."""
+    _write_model(tmp_path, "echo", GOOD_MODEL)
+    with tnc.LocalTriton(tmp_path) as server:
+        pids = server.processes()
+        assert len(pids) >= 2, pids  # tritonserver + the echo stub
+    assert server.processes() == []
+    assert not server.is_running
+
+
+async def test_async_start_cancelled_leaves_no_process(tmp_path: Path) -> None:
+    """Cancelling the task that is starting a server kills it: no orphan server or stub."""
+    _write_model(tmp_path, "echo", GOOD_MODEL)
+    server = tnc.LocalTriton(tmp_path)
+    task = asyncio.create_task(server.astart())
+    # Wait until the process exists, then cancel mid-startup.
+    while server.pid is None:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert server.processes() == []
+
+
+async def test_async_context_manager(tmp_path: Path) -> None:
+    """``async with`` yields a ready server whose HTTP endpoint answers, then stops it."""
+    _write_model(tmp_path, "echo", GOOD_MODEL)
+    async with tnc.LocalTriton(tmp_path) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+        writer.write(b"GET /v2/models/echo/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        status = await reader.readline()
+        writer.close()
+        await writer.wait_closed()
+        assert status.startswith(b"HTTP/1.1 200")
+    assert server.processes() == []
+
+
+def test_model_load_failure_names_model(tmp_path: Path) -> None:
+    """A model that fails to load raises ModelLoadError naming it, with the server's own lines."""
+    _write_model(tmp_path, "good", GOOD_MODEL)
+    _write_model(tmp_path, "broken", BAD_MODEL)
+    server = tnc.LocalTriton(tmp_path)
+    with pytest.raises(tnc.ModelLoadError) as info:
+        server.start()
+    assert info.value.model == "broken"
+    assert "broken" in str(info.value)
+    assert any("refuses to load" in line for line in info.value.log_lines)
+    assert server.processes() == []
+
+
+def test_port_in_use(tmp_path: Path) -> None:
+    """A given port that is taken raises PortInUseError naming the port; nothing is started."""
+    _write_model(tmp_path, "echo", GOOD_MODEL)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        server = tnc.LocalTriton(tmp_path, grpc_port=port)
+        with pytest.raises(tnc.PortInUseError) as info:
+            server.start()
+    assert info.value.port == port
+    assert str(port) in str(info.value)
+    assert server.pid is None
+
+
+def test_no_binary_names_places(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no binary anywhere, the error lists every place looked at and how to install one."""
+    monkeypatch.delenv("TRITONSERVER", raising=False)
+    monkeypatch.setattr(_local, "OFFICIAL_TRITONSERVER", Path("/nonexistent/bin/tritonserver"))
+    monkeypatch.setattr(_local, "_bundled_root", lambda: None)
+    with pytest.raises(tnc.ServerBinaryNotFound) as info:
+        tnc.find_tritonserver()
+    assert "/nonexistent/bin/tritonserver" in str(info.value)
+    assert "nvidia-pytriton" in str(info.value)
+    assert "pip install" in str(info.value)
+    assert len(info.value.searched) == 2
+
+
+def test_cli_no_binary_one_paragraph(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`triton-npu serve` without a binary prints one paragraph, no traceback, and exits non-zero."""
+    monkeypatch.delenv("TRITONSERVER", raising=False)
+    monkeypatch.setattr(_local, "OFFICIAL_TRITONSERVER", Path("/nonexistent/bin/tritonserver"))
+    monkeypatch.setattr(_local, "_bundled_root", lambda: None)
+    code = cli.main(["serve"])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "Traceback" not in err
+    assert err.strip().count("\n") == 0
+    assert "Looked at" in err
+
+
+def test_cli_bad_env_binary_subprocess() -> None:
+    """The installed entry point, with $TRITONSERVER pointing nowhere, exits 2 with no traceback."""
+    env = dict(os.environ, TRITONSERVER="/nonexistent/tritonserver")
+    proc = subprocess.run(
+        [sys.executable, "-m", "triton_npu_client", "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "/nonexistent/tritonserver" in proc.stderr
+
+
+def test_no_stub_for_python(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A bundled server without a stub for this Python raises StubNotFound naming the versions it has."""
+    fake = tmp_path / "pytriton" / "tritonserver"
+    (fake / "bin").mkdir(parents=True)
+    (fake / "backends" / "python").mkdir(parents=True)
+    (fake / "python_backend_stubs" / "3.8").mkdir(parents=True)
+    (fake / "python_backend_stubs" / "3.8" / "triton_python_backend_stub").write_text("")
+    binary = fake / "bin" / "tritonserver"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    server = tnc.LocalTriton(tmp_path, tritonserver=binary)
+    with pytest.raises(tnc.StubNotFound) as info:
+        server.start()
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" in str(info.value)
+    assert "3.8" in str(info.value)
+
+
+def test_cli_serve_ctrl_c(tmp_path: Path) -> None:
+    """`triton-npu serve` prints ready URLs, and SIGINT stops it with exit 0 and no process left."""
+    _write_model(tmp_path, "echo", GOOD_MODEL)
+    with subprocess.Popen(
+        [sys.executable, "-m", "triton_npu_client", "serve", "--model-repository", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        code, lines, ready_s, stderr = _serve_until_ready_then_sigint(proc)
+    assert code == 0, stderr
+    assert ready_s < 60
+    text = "".join(lines)
+    assert "grpc://127.0.0.1:" in text
+    assert "http://127.0.0.1:" in text
+    workdir = next(line.split()[-1] for line in lines if line.strip().startswith("log"))
+    marker = str(Path(workdir).parent).encode()
+    leftovers = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and marker in _cmdline(p)]
+    assert leftovers == []
+
+
+def _serve_until_ready_then_sigint(proc: subprocess.Popen[str]) -> tuple[int, list[str], float, str]:
+    try:
+        assert proc.stdout is not None
+        lines = []
+        started = time.monotonic()
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C" in line:
+                break
+        ready_s = time.monotonic() - started
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        lines.extend(proc.stdout)
+        return code, lines, ready_s, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _cmdline(p: Path) -> bytes:
+    try:
+        return (p / "cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -1,0 +1,510 @@
+"""Find, prepare, start and stop a real ``tritonserver`` on this machine.
+
+Used by the CLI (``triton-npu serve``), the tests and the demos. The binary comes from, in order:
+an explicit path (argument or ``$TRITONSERVER``), ``/opt/tritonserver/bin/tritonserver`` (the official
+and Ascend images), or the one bundled in the ``nvidia-pytriton`` wheel. The bundled one needs a private
+backend folder holding the Python-backend stub for the running Python, its shared libraries on
+``LD_LIBRARY_PATH``, and this interpreter's ``bin/`` first on ``PATH`` (the stub takes ``sys.prefix``
+from the first ``python3`` there, so model.py imports from the current environment).
+
+The server runs in its own process group: Ctrl-C in a terminal reaches only us, and stopping kills
+the whole group, so no ``triton_python_backend_stub`` outlives its server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import contextlib
+import ctypes
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from ._exceptions import (
+    LocalServerError,
+    ModelLoadError,
+    PortInUseError,
+    ServerBinaryNotFound,
+    ServerStartTimeout,
+    StubNotFound,
+)
+
+__all__ = ["LocalTriton", "default_model_repository", "find_tritonserver"]
+
+_log = logging.getLogger("triton_npu_client.local")
+
+OFFICIAL_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
+_INSTALL_HINT = (
+    "Install the bundled server with `pip install 'triton-npu-client[server]'` "
+    "(it brings the nvidia-pytriton wheel, Triton 2.51), or point TRITONSERVER "
+    "(or --tritonserver) at an existing binary."
+)
+# "failed to load 'name' version 1: ..." -- the one place we read the server's log text: it is the
+# only channel through which a server that exits on a load failure says which model failed.
+_FAILED_LOAD = re.compile(r"failed to load '([^']+)'")
+_TAIL_LINES = 200
+
+# Every server started by this process, so that interpreter exit never leaves one behind.
+_LIVE: weakref.WeakSet[LocalTriton] = weakref.WeakSet()
+
+
+def default_model_repository() -> Path:
+    """The project's ``server_models/`` (next to the package in a source checkout)."""
+    return Path(__file__).resolve().parent.parent / "server_models"
+
+
+def _bundled_root() -> tuple[Path, Path] | None:
+    """(tritonserver folder, shared-library folder) of the installed nvidia-pytriton, if any."""
+    try:
+        dist = importlib.metadata.distribution("nvidia-pytriton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    root = Path(str(dist.locate_file("pytriton/tritonserver")))
+    libs = Path(str(dist.locate_file("nvidia_pytriton.libs")))
+    if not (root / "bin" / "tritonserver").is_file():
+        return None
+    return root, libs
+
+
+def find_tritonserver(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """Return the ``tritonserver`` binary to run; raise :class:`ServerBinaryNotFound` naming where it looked."""
+    searched: list[str] = []
+    candidates: list[tuple[str, Path]] = []
+    if explicit is not None:
+        candidates.append(("argument", Path(explicit)))
+    elif os.environ.get("TRITONSERVER"):
+        candidates.append(("$TRITONSERVER", Path(os.environ["TRITONSERVER"])))
+    else:
+        candidates.append(("official image path", OFFICIAL_TRITONSERVER))
+        bundled = _bundled_root()
+        if bundled is not None:
+            candidates.append(("nvidia-pytriton wheel", bundled[0] / "bin" / "tritonserver"))
+        else:
+            searched.append("nvidia-pytriton wheel (not installed)")
+    for label, path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        searched.append(f"{path} ({label})")
+    where = "; ".join(searched)
+    raise ServerBinaryNotFound(f"No tritonserver binary found. Looked at: {where}. {_INSTALL_HINT}", searched=searched)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _check_port_free(host: str, port: int, what: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise PortInUseError(
+                f"The {what} port {port} on {host} is already in use; choose another "
+                f"(or leave it out to take a free one).",
+                port=port,
+            ) from err
+
+
+def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # If the parent dies without stopping us (SIGKILL, crash), the kernel sends SIGTERM.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalTriton:
+    """A real ``tritonserver`` started on a model repository; a sync and an async context manager.
+
+    ::
+
+        async with LocalTriton() as server:
+            client_url = server.grpc_url      # "grpc://127.0.0.1:PORT"
+
+    Ports not given are chosen free. ``start``/``astart`` return once the server and every model are
+    ready, or raise (:class:`ModelLoadError` names the model and carries the server's error lines).
+    ``stop``/``astop`` send SIGTERM, then SIGKILL to the whole process group after ``stop_grace_s``.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | os.PathLike[str] | None = None,
+        *,
+        tritonserver: str | os.PathLike[str] | None = None,
+        host: str = "127.0.0.1",
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        log_verbose: int = 0,
+        model_control_mode: str = "none",
+        startup_timeout_s: float = 120.0,
+        stop_grace_s: float = 10.0,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if model_control_mode not in ("none", "explicit", "poll"):
+            raise ValueError(f"model_control_mode must be 'none', 'explicit' or 'poll', got {model_control_mode!r}")
+        self.model_repository = Path(model_repository or default_model_repository()).resolve()
+        self._tritonserver = tritonserver
+        self.host = host
+        self._ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        self.log_verbose = log_verbose
+        self.model_control_mode = model_control_mode
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.extra_args = tuple(extra_args)
+        self._extra_env = dict(env or {})
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._workdir: Path | None = None
+        self._log_file: Path | None = None
+        self.binary: Path | None = None
+
+    def __repr__(self) -> str:
+        state = f"pid={self.pid}" if self.is_running else "stopped"
+        return f"<LocalTriton {state} repo={str(self.model_repository)!r} grpc={self._ports['grpc']}>"
+
+    # -- addresses ------------------------------------------------------------------------
+
+    @property
+    def http_port(self) -> int:
+        return self._port("http")
+
+    @property
+    def grpc_port(self) -> int:
+        return self._port("grpc")
+
+    @property
+    def metrics_port(self) -> int:
+        return self._port("metrics")
+
+    def _port(self, which: str) -> int:
+        port = self._ports[which]
+        if port is None:
+            raise RuntimeError("the server has not been started")
+        return port
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._log_file
+
+    def log_tail(self, n: int = 50) -> list[str]:
+        """The last ``n`` lines the server wrote."""
+        if self._log_file is None or not self._log_file.exists():
+            return []
+        with self._log_file.open("r", errors="replace") as f:
+            return [line.rstrip("\n") for line in collections.deque(f, maxlen=n)]
+
+    def processes(self) -> list[int]:
+        """PIDs of every process started for this server (server and stubs) still alive."""
+        if self._workdir is None:
+            return []
+        marker = str(self._workdir).encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # Zombies (state Z) are already dead; they only wait for their parent to reap them.
+            if marker in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":
+                found.append(int(entry.name))
+        return sorted(found)
+
+    # -- preparing ------------------------------------------------------------------------
+
+    def _prepare(self) -> tuple[list[str], dict[str, str]]:
+        binary = find_tritonserver(self._tritonserver)
+        self.binary = binary
+        if not self.model_repository.is_dir():
+            raise LocalServerError(f"Model repository {self.model_repository} is not a directory.")
+        self._workdir = Path(tempfile.mkdtemp(prefix="triton-npu-"))
+        self._log_file = self._workdir / "tritonserver.log"
+        env = dict(os.environ)
+        server_root = binary.parent.parent
+        stubs = server_root / "python_backend_stubs"
+        if stubs.is_dir():
+            backends = self._prepare_bundled_backends(server_root, stubs)
+            bundled = _bundled_root()
+            libs = bundled[1] if bundled is not None else server_root.parent.parent / "nvidia_pytriton.libs"
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+        else:
+            backends = server_root / "backends"
+        # The stub embeds Python and takes sys.prefix from the first python3 on PATH: make it ours.
+        env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
+        env.update(self._extra_env)
+        for which in ("http", "grpc", "metrics"):
+            port = self._ports[which]
+            if port is None:
+                self._ports[which] = _free_port(self.host)
+            else:
+                _check_port_free(self.host, port, which.upper() if which != "metrics" else "metrics")
+        args = [
+            str(binary),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backends}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            f"--log-verbose={self.log_verbose}",
+            f"--model-control-mode={self.model_control_mode}",
+            f"--exit-timeout-secs={max(1, int(self.stop_grace_s))}",
+        ]
+        if self.model_control_mode == "explicit":
+            args.append("--load-model=*")
+        args.extend(self.extra_args)
+        return args, env
+
+    def _prepare_bundled_backends(self, server_root: Path, stubs: Path) -> Path:
+        assert self._workdir is not None
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = stubs / version / "triton_python_backend_stub"
+        if not stub.is_file():
+            have = sorted(p.name for p in stubs.iterdir() if (p / "triton_python_backend_stub").is_file())
+            raise StubNotFound(
+                f"The bundled Triton has no Python-backend stub for Python {version} "
+                f"(it has: {', '.join(have) or 'none'}). Run with one of those Python versions, "
+                f"or point TRITONSERVER at a server built for Python {version}."
+            )
+        backends = self._workdir / "backends"
+        shutil.copytree(server_root / "backends", backends)
+        shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
+        return backends
+
+    # -- starting -------------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        args, env = self._prepare()
+        assert self._log_file is not None
+        _log.debug("starting %s", " ".join(args))
+        in_main = threading.current_thread() is threading.main_thread()
+        with self._log_file.open("wb") as log:
+            self._proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self._workdir,
+                start_new_session=True,
+                # PDEATHSIG follows the *thread* that forked: only safe from the main thread.
+                preexec_fn=_set_pdeathsig if in_main else None,
+            )
+        _LIVE.add(self)
+
+    def _probe(self) -> bool:
+        """True once the server says it is ready and every model in the index is READY."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise self._startup_failure()
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as resp:
+                if resp.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False
+        request = urllib.request.Request(f"{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                index = json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        for entry in index:
+            if entry.get("state") == "UNAVAILABLE" and entry.get("reason"):
+                raise ModelLoadError(
+                    f"Model {entry['name']!r} failed to load: {entry['reason']}",
+                    model=str(entry["name"]),
+                    log_lines=self._error_lines(),
+                )
+            if entry.get("state") != "READY":
+                return False
+        return True
+
+    def _error_lines(self) -> list[str]:
+        return [line for line in self.log_tail(_TAIL_LINES) if line.startswith("E") or "error" in line.lower()]
+
+    def _startup_failure(self) -> LocalServerError:
+        code = self._proc.poll() if self._proc is not None else None
+        errors = self._error_lines()
+        for line in errors:
+            match = _FAILED_LOAD.search(line)
+            if match:
+                return ModelLoadError(
+                    f"Model {match.group(1)!r} failed to load; the server exited (code {code}). "
+                    f"Server said: {line.strip()}",
+                    model=match.group(1),
+                    log_lines=errors,
+                )
+        said = " | ".join(errors[-5:]) or "\n".join(self.log_tail(10))
+        return LocalServerError(
+            f"tritonserver exited during startup (code {code}). Server said: {said}", log_lines=errors
+        )
+
+    def _timeout_failure(self) -> ServerStartTimeout:
+        return ServerStartTimeout(
+            f"tritonserver was not ready after {self.startup_timeout_s:.0f} s (log: {self._log_file})",
+            log_lines=self._error_lines(),
+        )
+
+    def start(self) -> Self:
+        """Start the server and block until it and every model are ready."""
+        if self.is_running:
+            return self
+        try:
+            self._spawn()
+            deadline = time.monotonic() + self.startup_timeout_s
+            while not self._probe():
+                if time.monotonic() > deadline:
+                    raise self._timeout_failure()
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+        _log.debug("tritonserver ready: %s %s", self.http_url, self.grpc_url)
+        return self
+
+    async def astart(self) -> Self:
+        """Start the server and wait (without blocking the loop) until it and every model are ready."""
+        if self.is_running:
+            return self
+        try:
+            # Spawn on the loop's thread so that PDEATHSIG is tied to a thread that lives.
+            self._spawn()
+            deadline = time.monotonic() + self.startup_timeout_s
+            while not await asyncio.to_thread(self._probe):
+                if time.monotonic() > deadline:
+                    raise self._timeout_failure()
+                await asyncio.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    def _group_alive(self) -> bool:
+        if self._proc is None:
+            return False
+        try:
+            os.killpg(self._proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # killpg(0) also succeeds for zombies; ask /proc for living members.
+        return bool(self.processes()) or self._proc.poll() is None
+
+    def _send_term(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGTERM)
+
+    def _finish(self) -> None:
+        """Kill whatever is left of the group, reap, and remove the working folder."""
+        self._signal_group(signal.SIGKILL)
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+        _LIVE.discard(self)
+        if self._workdir is not None:
+            # Keep the log for post-mortems only if the caller asked where it is; the folder is ours.
+            shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+
+    def stop(self) -> None:
+        """SIGTERM, wait up to ``stop_grace_s``, then SIGKILL the whole group. Idempotent."""
+        if self._proc is None:
+            return
+        self._send_term()
+        deadline = time.monotonic() + self.stop_grace_s
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._finish()
+
+    async def astop(self) -> None:
+        """Async :meth:`stop`; if cancelled while waiting, it kills at once and re-raises."""
+        if self._proc is None:
+            return
+        self._send_term()
+        deadline = time.monotonic() + self.stop_grace_s
+        try:
+            while self._group_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            self._finish()
+
+    # -- context managers -----------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        return await self.astart()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.astop()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        with contextlib.suppress(Exception):
+            server.stop()

@@ -1,0 +1,109 @@
+"""``triton-npu``: the command line. Argument parsing, printing and exit codes only.
+
+Subcommands register themselves in :data:`COMMANDS`; each gets its own parser and returns an exit code.
+Errors the SDK raises on purpose (:class:`TritonError`) become one paragraph on stderr and exit 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+from ._exceptions import TritonError
+from ._local import LocalTriton
+
+__all__ = ["main"]
+
+Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]
+COMMANDS: dict[str, Command] = {}
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-repository", default=None, help="model repository (default: the project's server_models/)")
+    p.add_argument(
+        "--tritonserver",
+        default=None,
+        help="tritonserver binary (default: $TRITONSERVER, /opt/tritonserver, the bundled one)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=None)
+    p.add_argument("--grpc-port", type=int, default=None)
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--model-control-mode", choices=("none", "explicit", "poll"), default="none")
+    p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for readiness")
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    server = LocalTriton(
+        ns.model_repository,
+        tritonserver=ns.tritonserver,
+        host=ns.host,
+        http_port=ns.http_port,
+        grpc_port=ns.grpc_port,
+        metrics_port=ns.metrics_port,
+        log_verbose=ns.log_verbose,
+        model_control_mode=ns.model_control_mode,
+        startup_timeout_s=ns.startup_timeout,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    # SIGINT (Ctrl-C) and SIGTERM both mean "stop cleanly and exit 0".
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        if stop.is_set():
+            return 0
+        print(f"tritonserver ready (pid {server.pid}, repository {server.model_repository})")
+        print(f"  gRPC     {server.grpc_url}")
+        print(f"  HTTP     {server.http_url}")
+        print(f"  metrics  {server.metrics_url}")
+        print(f"  log      {server.log_path}")
+        print("Press Ctrl-C to stop.", flush=True)
+        while not stop.wait(0.5):
+            if not server.is_running:
+                tail = "\n".join(server.log_tail(10))
+                print(f"tritonserver exited unexpectedly. Last lines:\n{tail}", file=sys.stderr)
+                return 1
+        print("stopping tritonserver ...", flush=True)
+        return 0
+    finally:
+        server.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+COMMANDS["serve"] = (_serve_args, _serve, "run a local tritonserver in the foreground until Ctrl-C")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="triton-npu", description="Triton Inference Server client tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_args, _, help_text) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``triton-npu``; returns the process exit code."""
+    ns = _parser().parse_args(argv)
+    _, run, _ = COMMANDS[ns.command]
+    try:
+        return run(ns)
+    except TritonError as err:
+        print(f"triton-npu {ns.command}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
