@@ -19,6 +19,8 @@ from ._exceptions import (
     ModelLoadError,
     ModelNotFoundError,
     ModelNotReadyError,
+    PerfAnalyzerError,
+    PerfAnalyzerUnavailable,
     PermissionDeniedError,
     PortInUseError,
     RequestTimeout,
@@ -37,6 +39,7 @@ from ._exceptions import (
     UsageError,
 )
 from ._local import LocalTriton, default_model_repository, find_tritonserver
+from ._perfanalyzer import PerfAnalyzer, PerfResult, arun_perf_analyzer, ensure_perf_analyzer, run_perf_analyzer
 from ._version import __version__
 
 __all__ = [
@@ -55,6 +58,10 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "ModelNotReadyError",
+    "PerfAnalyzer",
+    "PerfAnalyzerError",
+    "PerfAnalyzerUnavailable",
+    "PerfResult",
     "PermissionDeniedError",
     "PortInUseError",
     "RequestTimeout",
@@ -72,6 +79,9 @@ __all__ = [
     "UnknownOutputError",
     "UsageError",
     "__version__",
+    "arun_perf_analyzer",
     "default_model_repository",
+    "ensure_perf_analyzer",
     "find_tritonserver",
+    "run_perf_analyzer",
 ]

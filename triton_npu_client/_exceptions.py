@@ -26,12 +26,14 @@
     │   ├── UnknownOutputError              (also ValueError)
     │   ├── ClientClosedError               (also RuntimeError)
     │   └── SequenceClosedError             (also RuntimeError): a step after END
-    └── LocalServerError                starting a local tritonserver failed
-        ├── ServerBinaryNotFound            (also FileNotFoundError)
-        ├── StubNotFound                    no Python-backend stub for this Python
-        ├── PortInUseError                  (also OSError)
-        ├── ModelLoadError                  a model in the repository failed to load
-        └── ServerStartTimeout              (also TimeoutError)
+    ├── LocalServerError                starting a local tritonserver failed
+    │   ├── ServerBinaryNotFound            (also FileNotFoundError)
+    │   ├── StubNotFound                    no Python-backend stub for this Python
+    │   ├── PortInUseError                  (also OSError)
+    │   ├── ModelLoadError                  a model in the repository failed to load
+    │   └── ServerStartTimeout              (also TimeoutError)
+    └── PerfAnalyzerError               running perf_analyzer (the C++ load generator) failed or erred
+        └── PerfAnalyzerUnavailable         it cannot be provided here (no download, wrong platform)
 
 Mapping from ``tritonclient`` / gRPC / HTTP errors happens in exactly one place,
 :func:`triton_npu_client._errmap.map_error`, by type and status code, never by message text.
@@ -56,6 +58,8 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "ModelNotReadyError",
+    "PerfAnalyzerError",
+    "PerfAnalyzerUnavailable",
     "PermissionDeniedError",
     "PortInUseError",
     "RequestTimeout",
@@ -275,3 +279,22 @@ class ModelLoadError(LocalServerError):
 
 class ServerStartTimeout(LocalServerError, TimeoutError):
     """The server did not become ready in time."""
+
+
+# --- the perf_analyzer load generator -------------------------------------------------
+
+
+class PerfAnalyzerError(TritonError):
+    """``perf_analyzer`` failed, erred on requests, or ran too long.
+
+    ``output`` holds its console output; ``errors`` counts the request errors it reported.
+    """
+
+    def __init__(self, message: str, *, output: str = "", errors: int = 0) -> None:
+        super().__init__(message)
+        self.output = output
+        self.errors = errors
+
+
+class PerfAnalyzerUnavailable(PerfAnalyzerError):
+    """``perf_analyzer`` cannot be provided on this machine (no download, not x86_64 Linux, libraries missing)."""

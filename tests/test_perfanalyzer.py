@@ -1,0 +1,94 @@
+"""perf_analyzer provisioning and the runner, against the session's real server."""
+
+from __future__ import annotations
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from triton_npu_client import (
+    LocalTriton,
+    PerfAnalyzer,
+    PerfAnalyzerError,
+    arun_perf_analyzer,
+    ensure_perf_analyzer,
+    run_perf_analyzer,
+)
+from triton_npu_client._perfanalyzer import parse_report
+
+
+@pytest.fixture(scope="module")
+def pa() -> PerfAnalyzer:
+    """The cached perf_analyzer (downloaded on the first run on a machine)."""
+    return ensure_perf_analyzer()
+
+
+def _args(server: LocalTriton, *extra: str) -> list[str]:
+    return [
+        "-m", "scale_fp32", "-u", f"127.0.0.1:{server.grpc_port}", "-i", "grpc", "--shape", "INPUT0:4",
+        "--measurement-mode", "count_windows", "--measurement-request-count", "200",
+        # A shared 2-core machine is noisy: accept any three windows rather than fail on stability.
+        "--stability-percentage", "1000", *extra,
+    ]  # fmt: skip
+
+
+def test_ensure_is_idempotent_under_concurrent_callers(pa: PerfAnalyzer) -> None:
+    """Eight concurrent ensure calls agree on one executable binary."""
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: ensure_perf_analyzer(), range(8)))
+    assert {g.binary for g in got} == {pa.binary}
+    assert pa.binary.is_file()
+
+
+def test_every_shared_library_resolves(pa: PerfAnalyzer) -> None:
+    """ldd finds libb64 and libcudart through the env's LD_LIBRARY_PATH: no apt package needed."""
+    out = subprocess.run(["ldd", str(pa.binary)], env=pa.env, capture_output=True, text=True, check=True).stdout
+    assert "not found" not in out
+    assert "libb64.so.0d =>" in out
+    assert "libcudart.so.12 =>" in out
+
+
+def test_run_against_real_server(pa: PerfAnalyzer, triton_server: LocalTriton) -> None:
+    """A concurrency-4 run on scale_fp32 measures positive throughput, ordered latencies and no errors."""
+    result = run_perf_analyzer(pa, _args(triton_server, "--concurrency-range", "4"), timeout_s=120)
+    assert result.concurrency == 4
+    assert result.throughput_infer_s > 0
+    assert result.errors == 0
+    assert 0 < result.p50_latency_us <= result.p99_latency_us
+    assert result.server_execution_count > 0
+    assert result.avg_batch_size >= 1.0
+
+
+async def test_async_run_against_real_server(pa: PerfAnalyzer, triton_server: LocalTriton) -> None:
+    """The async runner gives the same kind of result without blocking the loop."""
+    result = await arun_perf_analyzer(pa, _args(triton_server, "--concurrency-range", "2"), timeout_s=120)
+    assert result.concurrency == 2
+    assert result.throughput_infer_s > 0
+    assert result.errors == 0
+
+
+def test_request_errors_raise(pa: PerfAnalyzer, triton_server: LocalTriton) -> None:
+    """A batch above max_batch_size (64) makes the server refuse: PerfAnalyzerError counts the errors."""
+    with pytest.raises(PerfAnalyzerError) as info:
+        run_perf_analyzer(pa, _args(triton_server, "-b", "100"), timeout_s=60)
+    assert info.value.errors >= 1
+    assert "batch-size must be <= 64" in info.value.output
+
+
+def test_runner_refuses_report_path(pa: PerfAnalyzer) -> None:
+    """The runner owns the CSV report path: passing -f is a usage error."""
+    with pytest.raises(ValueError, match="-f"):
+        run_perf_analyzer(pa, ["-m", "x", "-f", "/tmp/r.csv"])
+
+
+def test_parse_report_reads_last_row_and_server_counts() -> None:
+    """The parser takes the last load level of a CSV and the last server block of the console output."""
+    header = "Concurrency,Inferences/Second,Client Send,p50 latency,p90 latency,p95 latency,p99 latency\n"
+    csv_text = header + "1,100.5,3,900,950,990,1200\n8,2651.62,3,1394,2056,2359,4332\n"
+    output = "  Server:\n    Inference count: 7967\n    Execution count: 4025\n"
+    result = parse_report(csv_text, output)
+    assert (result.concurrency, result.throughput_infer_s) == (8, 2651.62)
+    assert (result.p50_latency_us, result.p99_latency_us) == (1394, 4332)
+    assert result.avg_batch_size == pytest.approx(7967 / 4025)
+    assert result.errors == 0
