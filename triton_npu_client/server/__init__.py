@@ -1,0 +1,44 @@
+"""Server-side toolkit for Python-backend models inside Triton: sequence controls, state, device.
+
+Imports only the standard library, numpy and torch (never the client, tritonclient or
+``triton_python_backend_utils``), so model.py files, unit tests and ``bench/device_check.py`` can all
+use it. The one pb_utils-facing piece, :class:`RunningStatsModel`, takes that module as an argument.
+"""
+
+from ._config import SequenceBatching, model_parameter, parse_model_config
+from ._controls import FLAG_END, FLAG_START, SequenceControls, read_controls
+from ._device import (
+    Accelerators,
+    DeviceChoice,
+    activate,
+    choose_device,
+    instance_index,
+    parse_device_ids,
+    probe_accelerators,
+    to_host,
+)
+from ._model import RunningStatsModel
+from ._state import BatchPlan, Refusal, RunningMoments, SequenceSlots
+
+__all__ = [
+    "FLAG_END",
+    "FLAG_START",
+    "Accelerators",
+    "BatchPlan",
+    "DeviceChoice",
+    "Refusal",
+    "RunningMoments",
+    "RunningStatsModel",
+    "SequenceBatching",
+    "SequenceControls",
+    "SequenceSlots",
+    "activate",
+    "choose_device",
+    "instance_index",
+    "model_parameter",
+    "parse_device_ids",
+    "parse_model_config",
+    "probe_accelerators",
+    "read_controls",
+    "to_host",
+]

@@ -1,0 +1,154 @@
+"""The running-statistics sequence model, shared by every ``server_models/seq_stats_*/1/model.py``.
+
+The one module that talks to ``triton_python_backend_utils``, and only through the ``pb`` module the
+model.py passes in, so the toolkit imports without it. Per request: input ``X`` (FP32 ``[dim]``);
+outputs ``MEAN`` and ``VAR`` (FP32 ``[dim]``, population variance), ``COUNT`` (INT64 ``[1]``, steps
+so far in this sequence) and ``LIVE`` (INT64 ``[1]``, sequences this instance holds after this
+execute, ENDs of the same batch already freed: a one-request sequence reads "live now, besides me").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from ._config import SequenceBatching, model_parameter, parse_model_config
+from ._controls import SequenceControls, read_controls
+from ._device import (
+    DeviceChoice,
+    activate,
+    choose_device,
+    instance_index,
+    parse_device_ids,
+    probe_accelerators,
+    to_host,
+)
+from ._state import Clock, Refusal, RunningMoments, SequenceSlots
+
+__all__ = ["RunningStatsModel"]
+
+_log = logging.getLogger("triton_npu_client.server")
+
+INPUT = "X"
+DEFAULT_MAX_SEQUENCES = 1024
+DEFAULT_SWEEP_GRACE_US = 500_000
+
+
+class RunningStatsModel:
+    """Running mean / variance / count per sequence, one batched device step per execute.
+
+    Config ``parameters`` read: ``device`` (auto|npu|cuda|cpu), ``device_ids`` ("0-3", "0,2"),
+    ``max_sequences`` (cap of live sequences per instance), ``sweep_grace_us`` (added to the idle
+    timeout before an idle sequence's state is swept).
+    """
+
+    def __init__(self, args: Mapping[str, str], pb: Any, *, clock: Clock = time.monotonic) -> None:
+        self._pb = pb
+        config = parse_model_config(args["model_config"])
+        self.batching = SequenceBatching.from_model_config(config)
+        self.dim = _input_dim(config, INPUT)
+        capacity = int(model_parameter(config, "max_sequences") or DEFAULT_MAX_SEQUENCES)
+        grace_us = int(model_parameter(config, "sweep_grace_us") or DEFAULT_SWEEP_GRACE_US)
+        self.device_choice: DeviceChoice = choose_device(
+            available=probe_accelerators(),
+            instance=instance_index(args.get("model_instance_name", "")),
+            device_ids=parse_device_ids(model_parameter(config, "device_ids")),
+            force=model_parameter(config, "device"),
+        )
+        self.device = activate(self.device_choice)
+        self.slots = SequenceSlots(
+            capacity=capacity, idle_timeout_s=self.batching.idle_timeout_s, grace_s=grace_us / 1e6, clock=clock
+        )
+        self.state = RunningMoments(capacity=capacity, dim=self.dim, device=self.device)
+        self._control_names = tuple(self.batching.control_inputs.values())
+        _log.info(
+            "%s on %s: %s strategy, cap %d, idle %g s",
+            args.get("model_instance_name"),
+            self.device,
+            self.batching.strategy,
+            capacity,
+            self.batching.idle_timeout_s,
+        )
+
+    def execute(self, requests: Sequence[Any]) -> list[Any]:
+        pb = self._pb
+        controls: list[SequenceControls] = []
+        inputs: list[NDArray[Any] | None] = []
+        bad: dict[int, Refusal] = {}
+        for row, request in enumerate(requests):
+            try:
+                tensors = {name: _as_numpy(pb.get_input_tensor_by_name(request, name)) for name in self._control_names}
+                ctl = read_controls(
+                    self.batching, correlation_id=request.correlation_id(), flags=request.flags(), tensors=tensors
+                )
+                x = _as_numpy(pb.get_input_tensor_by_name(request, INPUT))
+                if ctl.ready and (x is None or x.shape != (1, self.dim)):
+                    shape = None if x is None else list(x.shape)
+                    raise ValueError(f"input {INPUT!r} must have shape [1, {self.dim}] (one step), got {shape}")
+            except ValueError as err:
+                bad[row] = Refusal(reason="bad_input", message=str(err))
+                ctl, x = SequenceControls(correlation_id=0, ready=False), None
+            controls.append(ctl)
+            inputs.append(x)
+
+        plan = self.slots.plan(controls)
+        count = mean = var = None
+        if plan.rows:
+            x_batch = torch.from_numpy(np.concatenate([inputs[r] for r in plan.rows]).astype(np.float32, copy=False))
+            slots = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
+            fresh = torch.tensor(plan.fresh, dtype=torch.bool, device=self.device)
+            c, m, v = self.state.step(slots, x_batch, fresh)
+            # One copy to host per output for the whole batch, then cheap numpy views per request.
+            count, mean, var = to_host(c).astype(np.int64), to_host(m), to_host(v)
+        self.slots.finish(plan)
+        live = np.array([[self.slots.live]], dtype=np.int64)
+
+        position = {row: j for j, row in enumerate(plan.rows)}
+        responses = []
+        for row in range(len(requests)):
+            refusal = bad.get(row) or plan.errors.get(row)
+            if refusal is not None:
+                code = pb.TritonError.UNAVAILABLE if refusal.reason == "capacity" else pb.TritonError.INVALID_ARG
+                responses.append(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(refusal.message, code)))
+                continue
+            j = position.get(row)
+            if j is None or count is None or mean is None or var is None:
+                # A dummy slot (READY false): answered, state untouched.
+                outs = (
+                    np.zeros((1, self.dim), np.float32),
+                    np.zeros((1, self.dim), np.float32),
+                    np.zeros((1, 1), np.int64),
+                )
+            else:
+                outs = (mean[j : j + 1], var[j : j + 1], count[j : j + 1].reshape(1, 1))
+            responses.append(
+                pb.InferenceResponse(
+                    output_tensors=[
+                        pb.Tensor("MEAN", outs[0]),
+                        pb.Tensor("VAR", outs[1]),
+                        pb.Tensor("COUNT", outs[2]),
+                        pb.Tensor("LIVE", live),
+                    ]
+                )
+            )
+        return responses
+
+
+def _as_numpy(tensor: Any) -> NDArray[Any] | None:
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _input_dim(config: Mapping[str, Any], name: str) -> int:
+    for spec in config.get("input", []):
+        if spec.get("name") == name:
+            dims = [int(d) for d in spec.get("dims", [])]
+            if len(dims) != 1 or dims[0] < 1:
+                raise ValueError(f"input {name!r} must have fixed dims [n], got {dims}")
+            return dims[0]
+    raise ValueError(f"model config declares no input {name!r}")

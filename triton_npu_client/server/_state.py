@@ -1,0 +1,210 @@
+"""Per-sequence state: which slot each live sequence holds, and the state tensors on the device.
+
+Triton tells a model about START and END but never about an idle timeout (the sequence batcher frees
+its own slot silently), so :class:`SequenceSlots` also sweeps sequences by age. The clock is injected:
+tests drive it without sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ._controls import CorrelationId, SequenceControls
+
+__all__ = ["BatchPlan", "Refusal", "RunningMoments", "SequenceSlots"]
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Refusal:
+    """Why one request gets an error response instead of a step.
+
+    ``reason`` is ``"capacity"`` (cap of live sequences reached: try later), ``"unknown"`` (a step for
+    a sequence this instance does not hold), ``"duplicate"`` (two steps of one sequence in a batch),
+    ``"no_id"`` or ``"bad_input"``; ``message`` is what the client reads.
+    """
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchPlan:
+    """One execute's requests resolved to state slots.
+
+    ``rows`` are the positions (in the request list) that take a step, ``slots`` their state slots
+    (unique: one step per sequence per batch), ``fresh`` whether each starts its sequence. ``errors``
+    maps a request position to the :class:`Refusal` its error response carries; positions in neither are
+    dummies (READY false) answered without touching state.
+    """
+
+    rows: tuple[int, ...] = ()
+    slots: tuple[int, ...] = ()
+    fresh: tuple[bool, ...] = ()
+    ending: tuple[CorrelationId, ...] = ()
+    errors: dict[int, Refusal] = field(default_factory=dict)
+
+
+class SequenceSlots:
+    """Maps live correlation ids to slots ``0..capacity-1`` and sweeps the ones idle too long.
+
+    ``idle_timeout_s`` is the model's ``max_sequence_idle_microseconds``; a sequence is swept once it
+    has been idle for ``idle_timeout_s + grace_s``. The grace keeps us from freeing a sequence whose
+    next step Triton accepted just inside its own timeout but has not yet handed to us.
+    """
+
+    def __init__(self, *, capacity: int, idle_timeout_s: float, grace_s: float = 0.5, clock: Clock = time.monotonic):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.idle_timeout_s = idle_timeout_s
+        self.grace_s = grace_s
+        self._clock = clock
+        self._slot: dict[CorrelationId, int] = {}
+        self._last_seen: dict[CorrelationId, float] = {}
+        # Lowest slots first: keeps the live region of the state tensors dense.
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __repr__(self) -> str:
+        return f"SequenceSlots(live={self.live}, capacity={self.capacity}, idle_timeout_s={self.idle_timeout_s})"
+
+    @property
+    def live(self) -> int:
+        """Sequences holding a slot now."""
+        return len(self._slot)
+
+    def __contains__(self, key: CorrelationId) -> bool:
+        return key in self._slot
+
+    def slot_of(self, key: CorrelationId) -> int | None:
+        return self._slot.get(key)
+
+    def sweep(self, *, keep: Iterable[CorrelationId] = ()) -> list[CorrelationId]:
+        """Free every sequence idle longer than the timeout plus grace (except ``keep``); return them."""
+        deadline = self._clock() - (self.idle_timeout_s + self.grace_s)
+        kept = set(keep)
+        stale = [k for k, seen in self._last_seen.items() if seen < deadline and k not in kept]
+        for key in stale:
+            self.release(key)
+        return stale
+
+    def release(self, key: CorrelationId) -> bool:
+        """Free ``key``'s slot (END, or swept); False when it held none."""
+        slot = self._slot.pop(key, None)
+        if slot is None:
+            return False
+        del self._last_seen[key]
+        self._free.append(slot)
+        return True
+
+    def plan(self, controls: Sequence[SequenceControls]) -> BatchPlan:
+        """Sweep, then give each request of one execute its slot: admit STARTs, look up the others.
+
+        Refusals become per-request error messages (cap full, unknown sequence, a second step of one
+        sequence in the same batch); they never stop the other requests.
+        """
+        now = self._clock()
+        self.sweep(keep=(c.correlation_id for c in controls if c.ready))
+        rows: list[int] = []
+        slots: list[int] = []
+        fresh: list[bool] = []
+        ending: list[CorrelationId] = []
+        errors: dict[int, Refusal] = {}
+        seen: set[CorrelationId] = set()
+        for row, ctl in enumerate(controls):
+            if not ctl.ready:
+                continue
+            key = ctl.correlation_id
+            if key in (0, ""):
+                errors[row] = Refusal(
+                    reason="no_id", message="request has no correlation id (0 or empty): this model needs a sequence"
+                )
+                continue
+            if key in seen:
+                errors[row] = Refusal(
+                    reason="duplicate",
+                    message=f"sequence {key!r} has two steps in one batch; steps of a sequence must be sequential",
+                )
+                continue
+            slot = self._slot.get(key)
+            if ctl.start:
+                if slot is None:
+                    if not self._free:
+                        errors[row] = Refusal(
+                            reason="capacity",
+                            message=f"sequence {key!r} refused: this model instance already holds its cap of "
+                            f"{self.capacity} live sequences (parameter max_sequences)",
+                        )
+                        continue
+                    slot = self._free.pop()
+                    self._slot[key] = slot
+                # A START for a live id restarts it (Triton ends the old one early): the slot is reset.
+            elif slot is None:
+                errors[row] = Refusal(
+                    reason="unknown",
+                    message=f"sequence {key!r} is unknown to this model instance: it never started, ended, or was "
+                    f"idle longer than {self.idle_timeout_s:g} s; send the START flag to begin a new one",
+                )
+                continue
+            seen.add(key)
+            self._last_seen[key] = now
+            rows.append(row)
+            slots.append(slot)
+            fresh.append(ctl.start)
+            if ctl.end:
+                ending.append(key)
+        return BatchPlan(rows=tuple(rows), slots=tuple(slots), fresh=tuple(fresh), ending=tuple(ending), errors=errors)
+
+    def finish(self, plan: BatchPlan) -> None:
+        """Free the slots of the sequences that ended in ``plan`` (after their step is computed)."""
+        for key in plan.ending:
+            self.release(key)
+
+
+class RunningMoments:
+    """Running count, mean and M2 (Welford) of vectors, one row per slot, on one device.
+
+    Preallocated ``[capacity, dim]`` tensors; :meth:`step` gathers the rows of one batch, updates them
+    and scatters them back as a few whole-batch tensor operations, never a per-sequence Python loop.
+    Variance is the population variance (``M2 / count``), so a one-step sequence has variance 0.
+    """
+
+    def __init__(
+        self, *, capacity: int, dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ):
+        self.capacity = capacity
+        self.dim = dim
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.count = torch.zeros(capacity, dtype=dtype, device=self.device)
+        self.mean = torch.zeros(capacity, dim, dtype=dtype, device=self.device)
+        self.m2 = torch.zeros(capacity, dim, dtype=dtype, device=self.device)
+
+    def __repr__(self) -> str:
+        return f"RunningMoments(capacity={self.capacity}, dim={self.dim}, device={self.device}, dtype={self.dtype})"
+
+    def step(
+        self, slots: torch.Tensor, x: torch.Tensor, fresh: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step for every slot in ``slots`` (unique, int64 ``[k]``) with vectors ``x`` ``[k, dim]``.
+
+        ``fresh`` (bool ``[k]``) marks sequences that start here: their old state is ignored.
+        Returns the new ``(count [k], mean [k, dim], var [k, dim])`` on the device.
+        """
+        keep = (~fresh).to(self.dtype)
+        count = self.count.index_select(0, slots) * keep + 1
+        mean = self.mean.index_select(0, slots) * keep[:, None]
+        m2 = self.m2.index_select(0, slots) * keep[:, None]
+        x = x.to(device=self.device, dtype=self.dtype)
+        delta = x - mean
+        mean = mean + delta / count[:, None]
+        m2 = m2 + delta * (x - mean)
+        self.count.index_copy_(0, slots, count)
+        self.mean.index_copy_(0, slots, mean)
+        self.m2.index_copy_(0, slots, m2)
+        return count, mean, m2 / count[:, None]
