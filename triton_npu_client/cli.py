@@ -84,6 +84,32 @@ def _serve(ns: argparse.Namespace) -> int:
 COMMANDS["serve"] = (_serve_args, _serve, "run a local tritonserver in the foreground until Ctrl-C")
 
 
+def _stubs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_repository", help="model repository whose */config.pbtxt files to read")
+    p.add_argument("-o", "--output", default=None, help="module file to write (default: print to stdout)")
+    p.add_argument("--model", action="append", default=[], help="only this model (repeatable; default: every model)")
+
+
+def _stubs(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ._stubs import generate_stubs
+
+    # Recorded in the generated module's docstring so a reader knows how to regenerate it; the
+    # repository path is written as given, and models in sorted order, so the text stays reproducible.
+    shown = [ns.model_repository, *(f"--model {m}" for m in sorted(set(ns.model)))]
+    text = generate_stubs(Path(ns.model_repository), models=ns.model, command_args=" " + " ".join(shown))
+    if ns.output is None:
+        sys.stdout.write(text)
+    else:
+        Path(ns.output).write_text(text)
+        print(f"wrote {ns.output}", file=sys.stderr)
+    return 0
+
+
+COMMANDS["stubs"] = (_stubs_args, _stubs, "generate typed input/output classes from a model repository")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triton-npu", description="Triton Inference Server client tools.")
     sub = parser.add_subparsers(dest="command", required=True)
