@@ -4,6 +4,7 @@ One flat public namespace: everything a user needs is importable from here; modu
 an underscore are private.
 """
 
+from ._client import Client, ClientConfig, ModelStatistics, RepositoryModel, ServerMetadata
 from ._exceptions import (
     BatchSizeError,
     ClientClosedError,
@@ -39,14 +40,24 @@ from ._exceptions import (
     UsageError,
 )
 from ._local import LocalTriton, default_model_repository, find_tritonserver
+from ._model import Model
+from ._options import USE_CLIENT_DEFAULT, TLSConfig
 from ._perfanalyzer import PerfAnalyzer, PerfResult, arun_perf_analyzer, ensure_perf_analyzer, run_perf_analyzer
+from ._request import InferRequest, InferResult
+from ._retry import RetryPolicy
+from ._spec import ControlInput, ModelSpec, SequenceSpec, TensorSpec
 from ._version import __version__
 
 __all__ = [
     "BatchSizeError",
+    "Client",
     "ClientClosedError",
+    "ClientConfig",
     "ConnectError",
+    "ControlInput",
     "DuplicateInputError",
+    "InferRequest",
+    "InferResult",
     "InputDtypeError",
     "InputError",
     "InputShapeError",
@@ -55,26 +66,36 @@ __all__ = [
     "LocalServerError",
     "LocalTriton",
     "MissingInputError",
+    "Model",
     "ModelLoadError",
     "ModelNotFoundError",
     "ModelNotReadyError",
+    "ModelSpec",
+    "ModelStatistics",
     "PerfAnalyzer",
     "PerfAnalyzerError",
     "PerfAnalyzerUnavailable",
     "PerfResult",
     "PermissionDeniedError",
     "PortInUseError",
+    "RepositoryModel",
     "RequestTimeout",
+    "RetryPolicy",
     "SequenceClosedError",
     "SequenceError",
     "SequenceLost",
+    "SequenceSpec",
     "ServerBinaryNotFound",
     "ServerError",
+    "ServerMetadata",
     "ServerStartTimeout",
     "ServerUnavailable",
     "StubNotFound",
+    "TLSConfig",
+    "TensorSpec",
     "TransportError",
     "TritonError",
+    "USE_CLIENT_DEFAULT",
     "UnknownInputError",
     "UnknownOutputError",
     "UsageError",

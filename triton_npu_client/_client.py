@@ -1,0 +1,402 @@
+"""The async client: URL -> transport, lifecycle, options, admin calls, model handles."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+import attrs
+
+from ._exceptions import (
+    ClientClosedError,
+    ConnectError,
+    ModelNotReadyError,
+    RequestTimeout,
+    ServerUnavailable,
+    UsageError,
+)
+from ._model import Model
+from ._options import USE_CLIENT_DEFAULT, TLSConfig, UseClientDefault
+from ._request import InferRequest, InferResult
+from ._retry import NO_RETRY, RetryPolicy, run_with_retry
+from ._spec import ModelSpec
+from ._transport import GrpcTransport, HttpTransport, Transport
+
+__all__ = ["Client", "ClientConfig", "ModelStatistics", "RepositoryModel", "ServerMetadata"]
+
+_DEFAULT_PORTS = {"grpc": 8001, "grpcs": 443, "http": 8000, "https": 443}
+
+
+def _freeze_headers(value: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
+    return tuple((value or {}).items())
+
+
+def _freeze_options(
+    value: Mapping[str, Any] | Sequence[tuple[str, Any]] | None,
+) -> tuple[tuple[str, Any], ...]:
+    return tuple(dict(value or {}).items())
+
+
+@attrs.frozen(kw_only=True)
+class ClientConfig:
+    """Everything a :class:`Client` is made from; ``client.with_options(...)`` evolves a copy."""
+
+    url: str
+    timeout_s: float | None = 60.0
+    headers: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_freeze_headers)
+    retry: RetryPolicy = attrs.field(factory=RetryPolicy)
+    tls: TLSConfig | None = None
+    channel_options: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_freeze_options)
+
+    @property
+    def scheme(self) -> str:
+        return urlsplit(self.url).scheme
+
+    def target(self) -> str:
+        """``host:port`` from the URL, with the scheme's default port."""
+        parts = urlsplit(self.url)
+        if parts.scheme not in _DEFAULT_PORTS:
+            raise UsageError(f"unsupported URL scheme in {self.url!r}: use grpc://, grpcs://, http:// or https://")
+        if not parts.hostname:
+            raise UsageError(f"no host in URL {self.url!r}")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        return f"{host}:{parts.port or _DEFAULT_PORTS[parts.scheme]}"
+
+
+# --- typed admin answers --------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ServerMetadata:
+    """``server_metadata()``: name, version, extensions."""
+
+    name: str
+    version: str
+    extensions: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class RepositoryModel:
+    """One entry of ``repository_index()``: name, version, state (``READY``, ``UNAVAILABLE``...), reason."""
+
+    name: str
+    version: str = ""
+    state: str = ""
+    reason: str = ""
+
+
+def _count(section: Mapping[str, Any] | None, key: str) -> tuple[int, int]:
+    entry = (section or {}).get(key) or {}
+    return int(entry.get("count", 0)), int(entry.get("ns", 0))
+
+
+@attrs.frozen(kw_only=True)
+class ModelStatistics:
+    """Inference statistics of one model version (counters since load).
+
+    ``execution_count`` below ``inference_count`` means the server batched requests together.
+    """
+
+    name: str
+    version: str
+    inference_count: int
+    execution_count: int
+    success_count: int
+    fail_count: int
+    queue_ns: int
+    compute_infer_ns: int
+    last_inference_ms: int
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> ModelStatistics:
+        """From one ``model_stats`` entry (gRPC JSON carries int64 as strings; HTTP as ints)."""
+        stats = entry.get("inference_stats") or {}
+        success, _ = _count(stats, "success")
+        fail, _ = _count(stats, "fail")
+        _, queue_ns = _count(stats, "queue")
+        _, compute_ns = _count(stats, "compute_infer")
+        return cls(
+            name=str(entry.get("name", "")),
+            version=str(entry.get("version", "")),
+            inference_count=int(entry.get("inference_count", 0)),
+            execution_count=int(entry.get("execution_count", 0)),
+            success_count=success,
+            fail_count=fail,
+            queue_ns=queue_ns,
+            compute_infer_ns=compute_ns,
+            last_inference_ms=int(entry.get("last_inference", 0)),
+        )
+
+
+def _make_transport(config: ClientConfig) -> Transport:
+    scheme = config.scheme
+    target = config.target()
+    headers = dict(config.headers)
+    tls = config.tls
+    if scheme in ("grpcs", "https") and tls is None:
+        tls = TLSConfig()  # system roots
+    if scheme in ("grpc", "grpcs"):
+        return GrpcTransport(target, headers=headers, tls=tls, channel_options=config.channel_options)
+    return HttpTransport(target, headers=headers, tls=tls)
+
+
+class Client:
+    """An async client for one Triton server.
+
+    ::
+
+        async with Client("grpc://127.0.0.1:8001") as client:
+            model = await client.model("scale_fp32")
+            result = await model.infer(INPUT0=[1.0, 2.0])
+
+    ``timeout_s`` is the default per-call limit (``None``: no limit); per call it becomes the gRPC deadline
+    and Triton's server-side request timeout. ``retry`` applies to stateless inference only. ``transport``
+    replaces the transport built from the URL (a seam for wrapping the real one, e.g. to count calls).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float | None = 60.0,
+        headers: Mapping[str, str] | None = None,
+        retry: RetryPolicy | None = None,
+        tls: TLSConfig | None = None,
+        channel_options: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        config = ClientConfig(
+            url=url,
+            timeout_s=timeout_s,
+            headers=headers,  # the converter freezes it
+            retry=retry if retry is not None else RetryPolicy(),
+            tls=tls,
+            channel_options=channel_options,
+        )
+        self._init(config, transport if transport is not None else _make_transport(config), owns=True)
+
+    def _init(self, config: ClientConfig, transport: Transport, *, owns: bool) -> None:
+        self._config = config
+        self._transport = transport
+        self._owns_transport = owns
+        self._closed = False
+        self._models: dict[tuple[str, str], ModelSpec] = {}
+
+    @classmethod
+    def _from_config(cls, config: ClientConfig, transport: Transport, *, owns: bool) -> Client:
+        client = cls.__new__(cls)
+        client._init(config, transport, owns=owns)
+        return client
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<Client {self._config.url}{state}>"
+
+    # -- configuration and lifecycle ------------------------------------------------------------------
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._config
+
+    @property
+    def transport(self) -> Transport:
+        """The transport (for gRPC, :class:`GrpcTransport` exposes ``channel``, ``stub`` and ``metadata``)."""
+        self._check_open()
+        return self._transport
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def with_options(self, **changes: Any) -> Client:
+        """A client with some options changed (``attrs.evolve`` of :attr:`config`).
+
+        Changing only ``timeout_s`` or ``retry`` shares this client's connection (closing the copy leaves
+        it open); anything else opens a new connection that the copy owns.
+        """
+        self._check_open()
+        config = attrs.evolve(self._config, **changes)
+        if set(changes) <= {"timeout_s", "retry"}:
+            child = Client._from_config(config, self._transport, owns=False)
+            child._models = self._models
+            return child
+        return Client._from_config(config, _make_transport(config), owns=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError(f"client for {self._config.url} is closed")
+
+    async def aclose(self) -> None:
+        """Close the connection; idempotent. Calls made afterwards raise :class:`ClientClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_transport:
+            await self._transport.aclose()
+
+    async def __aenter__(self) -> Self:
+        self._check_open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def _timeout(self, timeout_s: float | UseClientDefault | None) -> float | None:
+        return self._config.timeout_s if isinstance(timeout_s, UseClientDefault) else timeout_s
+
+    # -- health and metadata --------------------------------------------------------------------------
+
+    async def is_server_live(self, *, timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT) -> bool:
+        self._check_open()
+        return await self._transport.is_server_live(timeout_s=self._timeout(timeout_s))
+
+    async def is_server_ready(self, *, timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT) -> bool:
+        self._check_open()
+        return await self._transport.is_server_ready(timeout_s=self._timeout(timeout_s))
+
+    async def is_model_ready(
+        self, name: str, *, version: str = "", timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    ) -> bool:
+        self._check_open()
+        return await self._transport.is_model_ready(name, version, timeout_s=self._timeout(timeout_s))
+
+    async def wait_for_model_ready(self, name: str, *, version: str = "", timeout_s: float = 30.0) -> None:
+        """Return once ``name`` is ready; raise :class:`RequestTimeout` after ``timeout_s``.
+
+        A server that is not reachable yet (starting up) counts as "not ready yet".
+        """
+        self._check_open()
+        deadline = time.monotonic() + timeout_s
+        delay = 0.02
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if await self._transport.is_model_ready(name, version, timeout_s=max(0.01, min(left, 5.0))):
+                    return
+            except (ConnectError, ServerUnavailable, RequestTimeout):
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout(
+                    f"model {name!r} not ready after {timeout_s}s", model=name, version=version or None
+                )
+            # No event to wait for: the server offers no readiness notification, so poll with backoff.
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 0.5)
+
+    async def server_metadata(
+        self, *, timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    ) -> ServerMetadata:
+        self._check_open()
+        raw = await self._transport.server_metadata(timeout_s=self._timeout(timeout_s))
+        return ServerMetadata(
+            name=str(raw.get("name", "")),
+            version=str(raw.get("version", "")),
+            extensions=tuple(raw.get("extensions", ())),
+        )
+
+    async def model_metadata(
+        self, name: str, *, version: str = "", timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    ) -> dict[str, Any]:
+        """The model's metadata as the server sends it (name, versions, platform, inputs, outputs)."""
+        self._check_open()
+        return await self._transport.model_metadata(name, version, timeout_s=self._timeout(timeout_s))
+
+    async def model_config(
+        self, name: str, *, version: str = "", timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    ) -> dict[str, Any]:
+        """The model's config as JSON (field names as in ``config.pbtxt``)."""
+        self._check_open()
+        return await self._transport.model_config(name, version, timeout_s=self._timeout(timeout_s))
+
+    async def repository_index(
+        self, *, timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    ) -> tuple[RepositoryModel, ...]:
+        self._check_open()
+        raw = await self._transport.repository_index(timeout_s=self._timeout(timeout_s))
+        return tuple(
+            RepositoryModel(
+                name=str(m.get("name", "")),
+                version=str(m.get("version", "")),
+                state=str(m.get("state", "")),
+                reason=str(m.get("reason", "")),
+            )
+            for m in raw
+        )
+
+    async def load_model(self, name: str, *, timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT) -> None:
+        """Load (or reload) ``name``; needs ``--model-control-mode=explicit`` on the server."""
+        self._check_open()
+        self._forget(name)
+        await self._transport.load_model(name, timeout_s=self._timeout(timeout_s))
+
+    async def unload_model(self, name: str, *, timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT) -> None:
+        self._check_open()
+        self._forget(name)
+        await self._transport.unload_model(name, timeout_s=self._timeout(timeout_s))
+
+    def _forget(self, name: str) -> None:
+        for key in [k for k in self._models if k[0] == name]:
+            del self._models[key]
+
+    async def inference_statistics(
+        self, name: str, *, version: str = "", timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    ) -> tuple[ModelStatistics, ...]:
+        """Statistics per loaded version of ``name``."""
+        self._check_open()
+        raw = await self._transport.inference_statistics(name, version, timeout_s=self._timeout(timeout_s))
+        return tuple(ModelStatistics.from_json(m) for m in raw)
+
+    # -- models and inference -------------------------------------------------------------------------
+
+    async def model(
+        self, name: str, *, version: str = "", timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    ) -> Model:
+        """A handle on ``name``: fetches its config once (cached per client until load/unload)."""
+        self._check_open()
+        key = (name, version)
+        spec = self._models.get(key)
+        if spec is None:
+            config = await self._transport.model_config(name, version, timeout_s=self._timeout(timeout_s))
+            spec = ModelSpec.from_config(config, version=version or None)
+            if not spec.inputs and not spec.outputs:
+                raise ModelNotReadyError(f"model {name!r} has no inputs or outputs in its config", model=name)
+            self._models[key] = spec
+        return Model(self, spec)
+
+    async def _infer(
+        self,
+        request: InferRequest,
+        *,
+        timeout_s: float | UseClientDefault | None,
+        request_id: str,
+        sequence_id: int | str | None,
+        sequence_start: bool,
+        sequence_end: bool,
+        retry: bool,
+    ) -> InferResult:
+        self._check_open()
+        timeout = self._timeout(timeout_s)
+        transport = self._transport
+
+        def call() -> Awaitable[InferResult]:
+            return transport.infer(
+                request,
+                timeout_s=timeout,
+                request_id=request_id,
+                sequence_id=sequence_id,
+                sequence_start=sequence_start,
+                sequence_end=sequence_end,
+            )
+
+        # A sequence step is never retried: the state it would build twice lives on the server.
+        policy = self._config.retry if retry and sequence_id is None else NO_RETRY
+        if policy.max_attempts == 1:
+            return await call()
+        return await run_with_retry(call, policy)

@@ -1,0 +1,76 @@
+"""Retry policy for stateless requests: bounded exponential backoff with jitter, on transport failures only."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import attrs
+
+from ._exceptions import ConnectError, ServerUnavailable, TritonError
+
+__all__ = ["NO_RETRY", "RetryPolicy", "is_retriable", "run_with_retry"]
+
+_log = logging.getLogger("triton_npu_client.retry")
+
+T = TypeVar("T")
+
+
+def is_retriable(err: BaseException) -> bool:
+    """Whether a stateless request that failed with ``err`` may be sent again.
+
+    Only "the server never took the request" kinds: no connection, UNAVAILABLE / RESOURCE_EXHAUSTED / 503.
+    Never an invalid input, a model error, or a timeout (the server may still be running it).
+    """
+    return isinstance(err, ConnectError | ServerUnavailable)
+
+
+@attrs.frozen(kw_only=True)
+class RetryPolicy:
+    """How a stateless request is retried. ``max_attempts`` counts the first try (1 = no retry).
+
+    The n-th retry waits ``min(max_backoff_s, initial_backoff_s * multiplier**(n-1))``, scaled by a random
+    factor in ``[1 - jitter, 1]`` so that many clients do not retry in step.
+    Sequence steps are never retried: the sequence layer passes ``retry=False``.
+    """
+
+    max_attempts: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    initial_backoff_s: float = attrs.field(default=0.05, validator=attrs.validators.ge(0))
+    max_backoff_s: float = attrs.field(default=2.0, validator=attrs.validators.ge(0))
+    multiplier: float = attrs.field(default=2.0, validator=attrs.validators.ge(1))
+    jitter: float = attrs.field(default=0.5, validator=[attrs.validators.ge(0), attrs.validators.le(1)])
+
+    def delay_s(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before retry number ``attempt`` (1-based). Pure given ``rng``."""
+        if attempt < 1:
+            raise ValueError(f"attempt must be >= 1, got {attempt}")
+        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
+        u = (rng or random).random()
+        return base * (1.0 - self.jitter * u)
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+async def run_with_retry(
+    call: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    *,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    rng: random.Random | None = None,
+) -> T:
+    """Await ``call()``; on a retriable :class:`TritonError` try again per ``policy``, then re-raise the last error."""
+    attempt = 1
+    while True:
+        try:
+            return await call()
+        except TritonError as err:
+            if attempt >= policy.max_attempts or not is_retriable(err):
+                raise
+            delay = policy.delay_s(attempt, rng)
+            _log.debug("retry %d/%d in %.3fs after %r", attempt, policy.max_attempts - 1, delay, err)
+            attempt += 1
+            await sleep(delay)

@@ -1,0 +1,7 @@
+"""Transports: one small protocol, implemented over gRPC (tritonclient aio + a protobuf fast path) and HTTP."""
+
+from ._base import Transport
+from ._grpc import GrpcTransport
+from ._http import HttpTransport
+
+__all__ = ["GrpcTransport", "HttpTransport", "Transport"]
