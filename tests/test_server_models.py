@@ -1,0 +1,247 @@
+"""The seq_stats_* models through a real Triton, with raw tritonclient grpc.aio (not the SDK client).
+
+Each model keeps running mean / population variance / count per sequence and reports LIVE, the
+sequences its instance holds after the execute. Other tests share the session server and may leave
+sequences for the sweep to collect, so "back to zero" is asserted as "back to the baseline or below".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from triton_npu_client import LocalTriton, default_model_repository
+
+MODELS = ["seq_stats_oldest", "seq_stats_direct", "seq_stats_string"]
+DIM = 4
+
+
+class Step:
+    """One response: the sequence's statistics so far and the instance's live-sequence count."""
+
+    def __init__(self, result: grpcclient.InferResult) -> None:
+        self.mean = result.as_numpy("MEAN")[0]
+        self.var = result.as_numpy("VAR")[0]
+        self.count = int(result.as_numpy("COUNT")[0, 0])
+        self.live = int(result.as_numpy("LIVE")[0, 0])
+
+
+def seq_id(model: str, n: int) -> int | str:
+    return f"s-{n}-é" if model == "seq_stats_string" else 1_000_000 + n
+
+
+async def infer_step(
+    client: grpcclient.InferenceServerClient, model: str, sid: int | str, x: np.ndarray, *, start: bool, end: bool
+) -> Step:
+    inp = grpcclient.InferInput("X", [1, DIM], "FP32")
+    inp.set_data_from_numpy(np.asarray(x, np.float32).reshape(1, DIM))
+    return Step(await client.infer(model, [inp], sequence_id=sid, sequence_start=start, sequence_end=end))
+
+
+async def live_now(client: grpcclient.InferenceServerClient, model: str, sid: int | str) -> int:
+    """Live sequences besides a one-request probe sequence (its own END is already counted out)."""
+    return (await infer_step(client, model, sid, np.zeros(DIM), start=True, end=True)).live
+
+
+@pytest.fixture
+async def client(triton_server: LocalTriton) -> AsyncIterator[grpcclient.InferenceServerClient]:
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{triton_server.grpc_port}")
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_interleaved_sequences_get_their_own_statistics(
+    client: grpcclient.InferenceServerClient, model: str
+) -> None:
+    """Interleaved sequences of different lengths each get numpy's mean/var/count of their own inputs."""
+    rng = np.random.default_rng(4)
+    baseline = await live_now(client, model, seq_id(model, 999))
+    lengths = [3, 7, 1, 5, 7, 2, 6, 4]
+    data = {seq_id(model, n): rng.normal(size=(length, DIM)) * 5 for n, length in enumerate(lengths)}
+    last: dict[int | str, Step] = {}
+
+    async def run(sid: int | str, xs: np.ndarray) -> None:
+        for k, x in enumerate(xs):
+            last[sid] = await infer_step(client, model, sid, x, start=k == 0, end=k == len(xs) - 1)
+            assert last[sid].count == k + 1
+            await asyncio.sleep(0)  # let the other sequences' steps interleave with ours
+
+    await asyncio.gather(*(run(sid, xs) for sid, xs in data.items()))
+    for sid, xs in data.items():
+        np.testing.assert_allclose(last[sid].mean, xs.mean(axis=0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(last[sid].var, xs.var(axis=0), rtol=1e-4, atol=1e-4)
+    assert await live_now(client, model, seq_id(model, 998)) <= baseline
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_one_request_sequence(client: grpcclient.InferenceServerClient, model: str) -> None:
+    """START and END in one request: count 1, mean = the input, variance 0, and the slot is freed."""
+    x = np.array([1.5, -2.0, 3.25, 0.0])
+    before = await live_now(client, model, seq_id(model, 501))
+    one = await infer_step(client, model, seq_id(model, 500), x, start=True, end=True)
+    assert one.count == 1
+    np.testing.assert_array_equal(one.mean, x.astype(np.float32))
+    np.testing.assert_array_equal(one.var, np.zeros(DIM, np.float32))
+    assert one.live <= before
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_live_count_rises_and_returns(client: grpcclient.InferenceServerClient, model: str) -> None:
+    """LIVE counts open sequences (+5 while open) and drops back once they all END."""
+    baseline = await live_now(client, model, seq_id(model, 600))
+    ids = [seq_id(model, 610 + n) for n in range(5)]
+    for sid in ids:
+        await infer_step(client, model, sid, np.ones(DIM), start=True, end=False)
+    assert await live_now(client, model, seq_id(model, 601)) >= baseline + 5
+    for sid in ids:
+        await infer_step(client, model, sid, np.ones(DIM), start=False, end=True)
+    assert await live_now(client, model, seq_id(model, 602)) <= baseline
+
+
+async def test_oldest_strategy_really_batches(client: grpcclient.InferenceServerClient) -> None:
+    """Under 32 concurrent sequences the server runs far fewer executions than inferences."""
+    model = "seq_stats_oldest"
+
+    async def counts() -> tuple[int, int]:
+        stats = (await client.get_inference_statistics(model)).model_stats[0]
+        return int(stats.inference_count), int(stats.execution_count)
+
+    inf0, exe0 = await counts()
+
+    async def run(sid: int) -> None:
+        for k in range(6):
+            await infer_step(client, model, sid, np.full(DIM, k), start=k == 0, end=k == 5)
+
+    await asyncio.gather(*(run(2_000_000 + n) for n in range(32)))
+    inf1, exe1 = await counts()
+    assert inf1 - inf0 == 32 * 6
+    assert exe1 - exe0 <= (inf1 - inf0) // 3, f"{exe1 - exe0} executions for {inf1 - inf0} inferences"
+
+
+async def test_direct_dummy_slots_leave_state_alone(client: grpcclient.InferenceServerClient) -> None:
+    """Direct strategy: after neighbours end (their slots then padded with dummies), a sequence's state is exact."""
+    model = "seq_stats_direct"
+    rng = np.random.default_rng(7)
+    ids = [3_000_000 + n for n in range(4)]
+    long_xs = rng.normal(size=(12, DIM))
+    # Four sequences take slots 0..3; the first three end after two steps, the last keeps going alone.
+    for k in range(2):
+        await asyncio.gather(
+            *(
+                infer_step(client, model, sid, long_xs[k] if sid == ids[-1] else np.ones(DIM), start=k == 0, end=False)
+                for sid in ids
+            )
+        )
+    await asyncio.gather(*(infer_step(client, model, sid, np.ones(DIM), start=False, end=True) for sid in ids[:-1]))
+    step = None
+    for k in range(2, 12):
+        step = await infer_step(client, model, ids[-1], long_xs[k], start=False, end=k == 11)
+    assert step is not None
+    assert step.count == 12
+    np.testing.assert_allclose(step.mean, long_xs.mean(axis=0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(step.var, long_xs.var(axis=0), rtol=1e-4, atol=1e-4)
+
+
+async def test_string_model_refuses_integer_id_and_others_go_on(client: grpcclient.InferenceServerClient) -> None:
+    """The string-id model answers an integer id with an error naming string ids; string sequences are unaffected."""
+    model = "seq_stats_string"
+
+    async def good() -> Step:
+        sid = "keeps-going"
+        await infer_step(client, model, sid, np.ones(DIM), start=True, end=False)
+        return await infer_step(client, model, sid, np.full(DIM, 3.0), start=False, end=True)
+
+    with pytest.raises(InferenceServerException, match="string correlation ids"):
+        await asyncio.gather(infer_step(client, model, 12345, np.ones(DIM), start=True, end=True), good())
+    done = await good()
+    assert done.count == 2
+    np.testing.assert_array_equal(done.mean, np.full(DIM, 2.0, np.float32))
+
+
+# --- a private server for what needs a small cap and a short idle timeout ---------------------------
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """seq_stats_oldest copied with max_sequences 3 and a 1 s idle timeout (0.2 s sweep grace)."""
+    repo = tmp_path_factory.mktemp("small_repo")
+    src = default_model_repository() / "seq_stats_oldest"
+    dst = repo / "seq_stats_oldest"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    config = (dst / "config.pbtxt").read_text()
+    for old, new in [
+        ("max_sequence_idle_microseconds: 3000000", "max_sequence_idle_microseconds: 1000000"),
+        ('key: "max_sequences" value: { string_value: "4096" }', 'key: "max_sequences" value: { string_value: "3" }'),
+        (
+            'key: "sweep_grace_us" value: { string_value: "500000" }',
+            'key: "sweep_grace_us" value: { string_value: "200000" }',
+        ),
+    ]:
+        assert old in config, old
+        config = config.replace(old, new)
+    (dst / "config.pbtxt").write_text(config)
+    server = LocalTriton(Path(repo))
+    with server:
+        yield server
+    assert server.processes() == []
+
+
+@pytest.fixture
+async def small_client(small_server: LocalTriton) -> AsyncIterator[grpcclient.InferenceServerClient]:
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{small_server.grpc_port}")
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_cap_refuses_start_clearly_and_others_go_on(small_client: grpcclient.InferenceServerClient) -> None:
+    """A 4th START over a cap of 3 gets UNAVAILABLE naming the cap; the 3 go on; after an END a new one fits."""
+    model = "seq_stats_oldest"
+    for sid in (11, 12, 13):
+        await infer_step(small_client, model, sid, np.ones(DIM), start=True, end=False)
+    results = await asyncio.gather(
+        infer_step(small_client, model, 14, np.ones(DIM), start=True, end=False),
+        *(infer_step(small_client, model, sid, np.full(DIM, 3.0), start=False, end=False) for sid in (11, 12, 13)),
+        return_exceptions=True,
+    )
+    refused, *others = results
+    assert isinstance(refused, InferenceServerException)
+    assert "cap of 3" in str(refused.message())
+    assert refused.status() == "StatusCode.UNAVAILABLE"
+    for other in others:
+        assert isinstance(other, Step)
+        assert (other.count, other.live) == (2, 3)
+        np.testing.assert_array_equal(other.mean, np.full(DIM, 2.0, np.float32))
+    await infer_step(small_client, model, 11, np.ones(DIM), start=False, end=True)
+    fresh = await infer_step(small_client, model, 15, np.ones(DIM), start=True, end=False)
+    assert (fresh.count, fresh.live) == (1, 3)
+    for sid in (12, 13, 14, 15):
+        # 14's START was refused by the model but Triton saw it: END it so the batcher lets it go too.
+        await asyncio.gather(
+            infer_step(small_client, model, sid, np.ones(DIM), start=False, end=True), return_exceptions=True
+        )
+    assert await live_now(small_client, model, 16) == 0
+
+
+async def test_idle_sequence_is_swept(small_client: grpcclient.InferenceServerClient) -> None:
+    """A sequence left idle past the 1 s timeout (+0.2 s grace) is freed: LIVE drops and its next step fails."""
+    model = "seq_stats_oldest"
+    assert await live_now(small_client, model, 20) == 0
+    await infer_step(small_client, model, 21, np.ones(DIM), start=True, end=False)
+    assert await live_now(small_client, model, 22) == 1
+    # The real timeout is the only clock the server has; it is short here by construction.
+    await asyncio.sleep(1.5)
+    assert await live_now(small_client, model, 23) == 0
+    with pytest.raises(InferenceServerException, match="START"):
+        await infer_step(small_client, model, 21, np.ones(DIM), start=False, end=True)
