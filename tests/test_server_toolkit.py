@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numpy.typing import NDArray
 
 from triton_npu_client.server import (
     Accelerators,
@@ -102,7 +104,7 @@ def test_config_string_ids_from_control_or_parameter() -> None:
 
 def test_controls_from_tensors() -> None:
     """Declared control inputs win over the request's own flags and id."""
-    tensors = {
+    tensors: dict[str, NDArray[Any] | None] = {
         "S": np.array([[1]], np.int32),
         "E": np.array([[0]], np.int32),
         "R": np.array([[1]], np.int32),
@@ -129,11 +131,14 @@ def test_flags_are_tested_bitwise(flags: int, expected: tuple[bool, bool]) -> No
     assert ctl.correlation_id == "abc"
 
 
-def test_string_model_refuses_integer_ids() -> None:
-    """A model that says it takes string ids refuses an integer one with a clear message."""
+def test_string_model_keys_integer_and_string_ids_apart() -> None:
+    """A string-id model reads str ids as given and integer ids as ints: 5 and "5" stay different sequences."""
     batching = SequenceBatching.from_model_config(_config({"oldest": {}}, correlation_id_type="string"))
-    with pytest.raises(ValueError, match="string correlation ids"):
-        read_controls(batching, correlation_id=42, flags=1, tensors={})
+    as_int = read_controls(batching, correlation_id=5, flags=1, tensors={})
+    as_str = read_controls(batching, correlation_id="5", flags=1, tensors={})
+    assert (as_int.correlation_id, as_str.correlation_id) == (5, "5")
+    assert as_int.ready
+    assert as_str.ready
 
 
 def test_start_admits_end_frees() -> None:
@@ -244,7 +249,7 @@ def test_batched_step_equals_per_sequence_reference(lengths: list[int], seed: in
     slots = SequenceSlots(capacity=len(lengths), idle_timeout_s=1.0, clock=FakeClock())
     moments = RunningMoments(capacity=len(lengths), dim=dim)
     done = [0] * len(lengths)
-    results: dict[int, tuple[float, np.ndarray, np.ndarray]] = {}
+    results: dict[int, tuple[float, NDArray[Any], NDArray[Any]]] = {}
     while any(d < n for d, n in zip(done, lengths, strict=True)):
         # A random subset of the unfinished sequences steps in each batch, in random order.
         pending = [i for i, n in enumerate(lengths) if done[i] < n]
@@ -333,3 +338,21 @@ def test_toolkit_imports_without_client_or_pb_utils() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_device_check_script_runs_on_cpu() -> None:
+    """bench/device_check.py runs with the toolkit alone (no tritonclient) and reports OK on CPU."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "bench/device_check.py", "--sequences", "300", "--steps", "4", "--batch", "64"],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "cpu" in out.stdout
+    assert out.stdout.strip().endswith("OK")

@@ -63,7 +63,8 @@ class SequenceBatching:
         # A declared TYPE_STRING CORRID control is broken in Triton 2.51 for the Python backend (the
         # batcher pads the id to 128 bytes and the input then fails to parse), so a model can say
         # "string ids" with parameters { key: "correlation_id_type" value: { string_value: "string" } }
-        # and read request.correlation_id() instead.
+        # and read request.correlation_id() instead. Such a model still accepts integer ids (Triton
+        # cannot be told otherwise; perf_analyzer sends them): string_ids tells clients what to send.
         if (model_parameter(cfg, "correlation_id_type") or "").lower() == "string":
             string_ids = True
         # uint64 fields may arrive as JSON strings depending on the serialiser: int() takes both.

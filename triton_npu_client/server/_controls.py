@@ -79,6 +79,4 @@ def read_controls(
     corrid = _corrid(_scalar(corrid_t), string_ids=batching.string_ids) if corrid_t is not None else correlation_id
     # Without a READY control, only a real request reaches execute; id 0 / "" never is one.
     ready = _truthy(ready_t) if ready_t is not None else corrid not in (0, "")
-    if batching.string_ids and ready and not isinstance(corrid, str):
-        raise ValueError(f"this model takes string correlation ids, got the integer {corrid!r}")
     return SequenceControls(correlation_id=corrid, start=start, end=end, ready=ready)
