@@ -1,0 +1,48 @@
+"""The benchmark scripts run end to end (smoke runs; their numbers are not asserted, only their shape)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from triton_npu_client import LocalTriton
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAIN = "tritonclient.grpc.aio loop"
+PERF_ANALYZER = "perf_analyzer (C++)"
+
+
+def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def test_client_vs_tritonclient_quick_on_its_own_server(tmp_path: Path) -> None:
+    """--quick starts its own server and prints a row per contender and concurrency with positive throughput."""
+    out = tmp_path / "rows.json"
+    proc = _run(["bench/client_vs_tritonclient.py", "--quick", "--json", str(out)], timeout_s=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    cells = {(r["contender"], r["concurrency"]) for r in rows}
+    assert cells == {(c, n) for c in (PLAIN, PERF_ANALYZER) for n in (1, 4)}
+    assert all(r["infer_s"] > 0 and r["errors"] == 0 and r["avg_batch"] >= 1.0 for r in rows)
+    # The printed table has the same rows, and says how it was run.
+    table_rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {PLAIN}")]
+    assert len(table_rows) == 2
+    assert proc.stdout.startswith("python bench/client_vs_tritonclient.py --quick")
+
+
+def test_sequences_quick(triton_server: LocalTriton, tmp_path: Path) -> None:
+    """The sequence benchmark runs the plain loop and perf_analyzer's sequence mode on seq_stats_oldest."""
+    out = tmp_path / "rows.json"
+    url = f"127.0.0.1:{triton_server.grpc_port}"
+    proc = _run(["bench/sequences.py", "--quick", "--url", url, "--json", str(out)], timeout_s=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["contender"], r["concurrency"]) for r in rows} == {(PLAIN, 16), (PERF_ANALYZER, 16)}
+    assert all(r["infer_s"] > 0 and r["errors"] == 0 for r in rows)
+    # Sequences from 16 concurrent clients really batch on the server (oldest strategy).
+    assert all(r["avg_batch"] > 1.0 for r in rows)
