@@ -306,11 +306,15 @@ class InferResult:
         """The output called ``name``."""
         return self.outputs[name]
 
-    def as_str(self, name: str, *, encoding: str = "utf-8") -> npt.NDArray[np.str_]:
-        """A BYTES output decoded to a ``str`` array."""
+    def as_str(self, name: str, *, encoding: str = "utf-8", errors: str = "strict") -> npt.NDArray[np.object_]:
+        """A BYTES output decoded to an object array of ``str`` (object, because numpy's ``str`` dtype would
+        drop trailing NUL characters)."""
         arr = self.outputs[name]
-        flat = [b.decode(encoding) if isinstance(b, bytes) else str(b) for b in arr.reshape(-1).tolist()]
-        return np.array(flat, dtype=str).reshape(arr.shape)
+        out = np.empty(arr.shape, dtype=object)
+        flat = out.reshape(-1)
+        for i, b in enumerate(arr.reshape(-1).tolist()):
+            flat[i] = b.decode(encoding, errors) if isinstance(b, bytes) else str(b)
+        return out
 
     @classmethod
     def from_grpc(cls, response: service_pb2.ModelInferResponse) -> InferResult:
