@@ -82,7 +82,7 @@ async def test_a_failing_request_does_not_disturb_the_others(channel: grpc.aio.C
         coros: list[Any] = []
         for i in range(30):
             coros += [good(float(i)), unknown(), bad_shape()]
-        results = await asyncio.gather(*coros, return_exceptions=True)
+        results: list[Any] = await asyncio.gather(*coros, return_exceptions=True)
         for i in range(30):
             np.testing.assert_array_equal(results[3 * i], np.full((1, 3), 2.0 * i, np.float32))
             assert isinstance(results[3 * i + 1], ModelNotFoundError)

@@ -28,6 +28,7 @@ from ._exceptions import (
     SequenceClosedError,
     SequenceError,
     SequenceLost,
+    SequenceUsageError,
     ServerBinaryNotFound,
     ServerError,
     ServerStartTimeout,
@@ -45,6 +46,7 @@ from ._options import USE_CLIENT_DEFAULT, TLSConfig
 from ._perfanalyzer import PerfAnalyzer, PerfResult, arun_perf_analyzer, ensure_perf_analyzer, run_perf_analyzer
 from ._request import InferRequest, InferResult
 from ._retry import RetryPolicy
+from ._sequence import SequenceIdleWarning, SequenceSession, open_sequence
 from ._spec import ControlInput, ModelSpec, SequenceSpec, TensorSpec
 from ._version import __version__
 
@@ -83,8 +85,11 @@ __all__ = [
     "RetryPolicy",
     "SequenceClosedError",
     "SequenceError",
+    "SequenceIdleWarning",
     "SequenceLost",
+    "SequenceSession",
     "SequenceSpec",
+    "SequenceUsageError",
     "ServerBinaryNotFound",
     "ServerError",
     "ServerMetadata",
@@ -104,5 +109,6 @@ __all__ = [
     "default_model_repository",
     "ensure_perf_analyzer",
     "find_tritonserver",
+    "open_sequence",
     "run_perf_analyzer",
 ]

@@ -25,7 +25,8 @@
     │   │   └── BatchSizeError
     │   ├── UnknownOutputError              (also ValueError)
     │   ├── ClientClosedError               (also RuntimeError)
-    │   └── SequenceClosedError             (also RuntimeError): a step after END
+    │   ├── SequenceClosedError             (also RuntimeError): a step after END
+    │   └── SequenceUsageError              (also ValueError): not a stateful model, or a bad sequence id
     ├── LocalServerError                starting a local tritonserver failed
     │   ├── ServerBinaryNotFound            (also FileNotFoundError)
     │   ├── StubNotFound                    no Python-backend stub for this Python
@@ -66,6 +67,7 @@ __all__ = [
     "SequenceClosedError",
     "SequenceError",
     "SequenceLost",
+    "SequenceUsageError",
     "ServerBinaryNotFound",
     "ServerError",
     "ServerStartTimeout",
@@ -237,6 +239,10 @@ class ClientClosedError(UsageError, RuntimeError):
 
 class SequenceClosedError(UsageError, RuntimeError):
     """A step was sent on a sequence that has already ended."""
+
+
+class SequenceUsageError(UsageError, ValueError):
+    """A sequence was opened wrongly: the model is not stateful, or the given sequence id is invalid for it."""
 
 
 # --- starting a local server ----------------------------------------------------------

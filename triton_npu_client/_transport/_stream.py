@@ -284,12 +284,14 @@ class StreamMultiplexer:
         *,
         key: int | str | None = None,
         timeout_s: float | None = None,
+        steps_acknowledged: int = 0,
     ) -> Any:
         """Send one request and return its ``ModelInferResponse``; raise the mapped error on failure.
 
         ``key`` pins the stream (same key, same stream, same order). ``timeout_s`` bounds the wait on
         this side only; the request has already been sent and Triton still runs it (give the request
         a server-side ``timeout`` parameter to bound that). Cancelling the caller drops the answer.
+        ``steps_acknowledged`` is context for a :class:`SequenceLost` raised for a sequence step.
         """
         stream, waiter, payload = self._register(request, key=key, many=False)
         stream.send(waiter, payload)
@@ -319,6 +321,7 @@ class StreamMultiplexer:
                 model=waiter.model,
                 request_id=waiter.request_id,
                 sequence_id=waiter.sequence_id,
+                steps_acknowledged=steps_acknowledged,
             )
         return message.infer_response
 
