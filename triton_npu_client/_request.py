@@ -196,12 +196,14 @@ class InferRequest:
     inputs: tuple[EncodedInput, ...] = ()
     outputs: tuple[str, ...] = ()
     batch_size: int | None = None
-    _template: service_pb2.ModelInferRequest = attrs.field(init=False, repr=False, eq=False)
+    # Built on first use. A request sent once (``model.infer``) never builds a template: its one protobuf is
+    # built with the per-call fields in place. A request sent again gets a template, copied per send.
+    _template: service_pb2.ModelInferRequest | None = attrs.field(init=False, repr=False, eq=False, default=None)
+    _sent: bool = attrs.field(init=False, repr=False, eq=False, default=False)
     _http_inputs: list[Any] | None = attrs.field(init=False, repr=False, eq=False, default=None)
 
-    def __attrs_post_init__(self) -> None:
-        # The template is built once: every later send copies it (or, with no per-call field, reuses it).
-        template = service_pb2.ModelInferRequest(
+    def _build(self) -> service_pb2.ModelInferRequest:
+        return service_pb2.ModelInferRequest(
             model_name=self.model,
             model_version=self.version,
             inputs=[
@@ -211,7 +213,12 @@ class InferRequest:
             outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=o) for o in self.outputs],
             raw_input_contents=[i.data for i in self.inputs],
         )
-        object.__setattr__(self, "_template", template)
+
+    def _cached_template(self) -> service_pb2.ModelInferRequest:
+        if self._template is None:
+            object.__setattr__(self, "_template", self._build())
+        assert self._template is not None
+        return self._template
 
     def arrays(self) -> dict[str, npt.NDArray[Any]]:
         """The validated arrays by input name (batch dim included), as they will be sent."""
@@ -233,9 +240,13 @@ class InferRequest:
         ``string_param``; START/END are sent only with an id, as Triton expects.
         """
         if not request_id and sequence_id is None and timeout_us is None:
-            return self._template
-        req = service_pb2.ModelInferRequest()
-        req.CopyFrom(self._template)
+            return self._cached_template()
+        if not self._sent and self._template is None:
+            object.__setattr__(self, "_sent", True)
+            req = self._build()
+        else:
+            req = service_pb2.ModelInferRequest()
+            req.CopyFrom(self._cached_template())
         if request_id:
             req.id = request_id
         if sequence_id is not None:
