@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -26,10 +27,12 @@ from triton_npu_client import (
     InputShapeError,
     LocalTriton,
     MissingInputError,
+    Model,
     ModelNotFoundError,
     PermissionDeniedError,
     RequestTimeout,
     RetryPolicy,
+    SequenceSpec,
     ServerUnavailable,
     TLSConfig,
     UnknownInputError,
@@ -185,6 +188,19 @@ async def test_batch_errors_and_duplicates(client: Client) -> None:
     slow = await counted.model("slow_echo")
     with pytest.raises(BatchSizeError, match="no batch dimension"):
         await slow.infer_batch(INPUT0=[[1.0]])
+    assert counter.infer_calls == 0
+
+
+async def test_decoupled_and_stateful_refused_for_unary(client: Client) -> None:
+    """A decoupled spec, or a stateful spec without a sequence id, is refused before any network call."""
+    counted, counter = _counting(client)
+    spec = (await counted.model("scale_fp32")).spec
+    decoupled = Model(counted, attrs.evolve(spec, decoupled=True))
+    with pytest.raises(UsageError, match="decoupled"):
+        await decoupled.infer(INPUT0=[1.0])
+    stateful = Model(counted, attrs.evolve(spec, sequence=SequenceSpec(strategy="oldest")))
+    with pytest.raises(UsageError, match="sequence"):
+        await stateful.infer(INPUT0=[1.0])
     assert counter.infer_calls == 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ._exceptions import UsageError
 from ._options import USE_CLIENT_DEFAULT, UseClientDefault
 from ._request import InferRequest, InferResult, InputsArg, build_request
 from ._spec import ModelSpec
@@ -119,7 +120,19 @@ class Model:
         """Send a prebuilt request. ``timeout_s`` is the gRPC deadline and Triton's server-side timeout.
 
         ``retry=False`` disables the client's retry policy (the sequence layer passes it for every step).
+        Refused before any network call: a decoupled model (it answers over the gRPC stream only) and a
+        stateful model without ``sequence_id`` (Triton would refuse the missing correlation id).
         """
+        if self._spec.decoupled:
+            raise UsageError(
+                f"model {self.name!r} is decoupled: Triton answers it over the gRPC stream only, not unary calls",
+                model=self.name,
+            )
+        if self._spec.is_stateful and sequence_id is None:
+            raise UsageError(
+                f"model {self.name!r} is stateful (sequence batching): send steps through model.sequence()",
+                model=self.name,
+            )
         return await self._client._infer(
             request,
             timeout_s=timeout_s,

@@ -40,8 +40,15 @@ DEFAULT_CHANNEL_OPTIONS: Final[Mapping[str, Any]] = {
 }
 
 
-def _timeout_us(timeout_s: float | None) -> int | None:
-    return None if timeout_s is None else max(1, int(timeout_s * 1_000_000))
+def _server_timeout_us(timeout_s: float | None, sequence_id: int | str | None) -> int | None:
+    """Triton's server-side request timeout for a call, in microseconds.
+
+    None for sequence steps: Triton silently dropping a queued step would leave the sequence's server state
+    without it; the client deadline alone bounds the wait (the session layer decides what a timeout means).
+    """
+    if timeout_s is None or sequence_id is not None:
+        return None
+    return max(1, int(timeout_s * 1_000_000))
 
 
 class GrpcTransport:
@@ -131,7 +138,7 @@ class GrpcTransport:
             sequence_id=sequence_id,
             sequence_start=sequence_start,
             sequence_end=sequence_end,
-            timeout_us=_timeout_us(timeout_s),
+            timeout_us=_server_timeout_us(timeout_s, sequence_id),
         )
         try:
             # Cancelling the awaiting task cancels this call: grpc.aio turns CancelledError into an RPC cancel.
