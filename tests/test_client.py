@@ -204,6 +204,17 @@ async def test_decoupled_and_stateful_refused_for_unary(client: Client) -> None:
     assert counter.infer_calls == 0
 
 
+async def test_model_sequence_opens_a_session(client: Client) -> None:
+    """model.sequence() is the session layer's open_sequence on this model: two steps accumulate state."""
+    model = await client.model("seq_stats_oldest")
+    assert model.spec.is_stateful
+    async with model.sequence() as seq:
+        await seq.infer(X=[1.0, 2.0, 3.0, 4.0])
+        second = await seq.infer(X=[3.0, 2.0, 1.0, 0.0])
+    assert second["COUNT"].tolist() == [[2]]
+    assert second["MEAN"].tolist() == [[2.0, 2.0, 2.0, 2.0]]
+
+
 # --- errors from real failures ---------------------------------------------------------------------
 
 

@@ -20,7 +20,13 @@ STATEFUL = {
     "sequence_batching": {
         "max_sequence_idle_microseconds": "5000000",
         "control_input": [
-            {"name": "START", "control": [{"kind": "CONTROL_SEQUENCE_START", "int32_false_true": [0, 1]}]},
+            {
+                "name": "START",
+                # as the HTTP JSON spells it: defaults written out
+                "control": [
+                    {"kind": "CONTROL_SEQUENCE_START", "data_type": "TYPE_INVALID", "int32_false_true": [0, 1]}
+                ],
+            },
             {"name": "READY", "control": [{"kind": "CONTROL_SEQUENCE_READY", "bool_false_true": [False, True]}]},
             {"name": "CORRID", "control": [{"kind": "CONTROL_SEQUENCE_CORRID", "data_type": "TYPE_STRING"}]},
         ],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._exceptions import UsageError
 from ._options import USE_CLIENT_DEFAULT, UseClientDefault
@@ -12,6 +12,7 @@ from ._spec import ModelSpec
 
 if TYPE_CHECKING:
     from ._client import Client
+    from ._sequence import SequenceSession
 
 __all__ = ["Model"]
 
@@ -142,3 +143,16 @@ class Model:
             sequence_end=sequence_end,
             retry=retry,
         )
+
+    # -- sessions -------------------------------------------------------------------------------------
+
+    def sequence(self, **options: Any) -> SequenceSession:
+        """A sequence session on this stateful model: ``async with model.sequence() as seq:``.
+
+        Options are those of :func:`triton_npu_client.open_sequence` (``sequence_id``, ``stream``,
+        ``timeout_s``, ...). No I/O until the first step.
+        """
+        # Imported here because the session layer sits above the model layer and imports it.
+        from ._sequence import open_sequence
+
+        return open_sequence(self, **options)

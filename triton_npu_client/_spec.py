@@ -99,7 +99,8 @@ class SequenceSpec:
                 kind = _CONTROL_KINDS.get(str(ctl.get("kind")))
                 if kind is None:
                     continue
-                if ctl.get("data_type"):
+                # The HTTP JSON spells out defaults ("TYPE_INVALID", empty lists); gRPC JSON omits them.
+                if ctl.get("data_type") not in (None, "", "TYPE_INVALID"):
                     dtype = config_to_triton(str(ctl["data_type"]))
                 elif ctl.get("fp32_false_true"):
                     dtype = "FP32"
