@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -172,3 +175,18 @@ async def test_direct_strategy_model(grpc_client: Client) -> None:
 
     got = await asyncio.gather(*(one(k) for k in range(24)))
     assert got == [list(range(1, k % 4 + 3)) for k in range(24)]
+
+
+def test_example_concurrent_sessions_runs() -> None:
+    """examples/concurrent_sessions.py starts its own server and reports every session correct, none left live."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "concurrent_sessions.py"), "--sessions", "100", "--steps", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "100/100 sessions got exactly their own results" in proc.stdout
+    assert "live after: 0" in proc.stdout

@@ -57,7 +57,10 @@ async def test_500_sessions_x_20_steps_each_get_their_own_results(triton_server:
                     got.append((result["MEAN"][0], result["COUNT"][0, 0]))
             return got
 
-        results = await asyncio.gather(*(session(k) for k in range(500)))
+        # A TaskGroup, so that one failing session cancels (and thereby ends) the others before the next test.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(session(k)) for k in range(500)]
+        results = [t.result() for t in tasks]
         for k, got in enumerate(results):
             cumulative = np.cumsum(inputs[k].astype(np.float64), axis=0) / np.arange(1, 21)[:, None]
             np.testing.assert_allclose(np.stack([m for m, _ in got]), cumulative, rtol=1e-4, atol=1e-5)
