@@ -16,6 +16,7 @@ from triton_npu_client import (
     ModelSpec,
     TensorSpec,
     UnknownInputError,
+    UsageError,
 )
 from triton_npu_client._dtypes import to_wire
 from triton_npu_client._request import build_request
@@ -65,6 +66,12 @@ def test_errors_name_the_input() -> None:
         build_request(SPEC, {"Z": 1})
     with pytest.raises(BatchSizeError, match=r"batch size 5 outside \[1, 4\]"):
         build_request(SPEC, {"A": np.zeros((5, 1, 3), np.float32), "B": [["a", "b"]] * 5}, batch=True)
+
+
+def test_positional_array_is_refused() -> None:
+    """A bare array instead of named inputs is a UsageError, not a confusing unpacking error."""
+    with pytest.raises(UsageError, match="by name"):
+        build_request(SPEC, np.zeros((1, 3), np.float32))  # type: ignore[arg-type]
 
 
 def test_scalar_fills_a_one_element_input() -> None:

@@ -23,6 +23,7 @@ from ._exceptions import (
     MissingInputError,
     UnknownInputError,
     UnknownOutputError,
+    UsageError,
 )
 from ._spec import ModelSpec, TensorSpec
 
@@ -62,7 +63,13 @@ def _merge_inputs(inputs: InputsArg, named: Mapping[str, object], model: str) ->
     elif isinstance(inputs, Mapping):
         pairs = inputs.items()
     else:
-        pairs = inputs
+        pairs = list(inputs)
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+            raise UsageError(
+                f"model {model!r}: pass inputs by name (keywords, a mapping or (name, value) pairs), "
+                f"not a bare {type(inputs).__name__}",
+                model=model,
+            )
     for name, value in (*pairs, *named.items()):
         if name in merged:
             raise DuplicateInputError(f"input {name!r} given more than once", input_name=name, model=model)

@@ -2,6 +2,10 @@
 
 tritonclient's HTTP client has one total ``conn_timeout`` for every request and no per-call client timeout,
 so the session gets no total limit and each call runs under its own ``asyncio.timeout``.
+
+Cancellation: cancelling the awaiting task closes the HTTP request on the client side, but Triton 2.51 keeps
+running a request it has already accepted over HTTP (seen against the real server); only gRPC cancels the
+request on the server.
 """
 
 from __future__ import annotations
