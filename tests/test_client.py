@@ -205,7 +205,7 @@ async def test_decoupled_and_stateful_refused_for_unary(client: Client) -> None:
 
 
 async def test_model_sequence_opens_a_session(client: Client) -> None:
-    """model.sequence() is the session layer's open_sequence on this model: two steps accumulate state."""
+    """model.sequence() / client.sequence(name) open sessions: steps accumulate per sequence, ids differ."""
     model = await client.model("seq_stats_oldest")
     assert model.spec.is_stateful
     async with model.sequence() as seq:
@@ -213,6 +213,9 @@ async def test_model_sequence_opens_a_session(client: Client) -> None:
         second = await seq.infer(X=[3.0, 2.0, 1.0, 0.0])
     assert second["COUNT"].tolist() == [[2]]
     assert second["MEAN"].tolist() == [[2.0, 2.0, 2.0, 2.0]]
+    async with client.sequence("seq_stats_oldest") as other:
+        assert other.sequence_id != seq.sequence_id
+        assert (await other.infer(X=[5.0, 5.0, 5.0, 5.0]))["COUNT"].tolist() == [[1]]
 
 
 # --- errors from real failures ---------------------------------------------------------------------

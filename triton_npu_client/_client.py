@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import urlsplit
 
 import attrs
@@ -25,6 +26,9 @@ from ._request import InferRequest, InferResult
 from ._retry import NO_RETRY, RetryPolicy, run_with_retry
 from ._spec import ModelSpec
 from ._transport import GrpcTransport, HttpTransport, Transport
+
+if TYPE_CHECKING:
+    from ._sequence import SequenceSession
 
 __all__ = ["Client", "ClientConfig", "ModelStatistics", "RepositoryModel", "ServerMetadata"]
 
@@ -369,6 +373,16 @@ class Client:
                 raise ModelNotReadyError(f"model {name!r} has no inputs or outputs in its config", model=name)
             self._models[key] = spec
         return Model(self, spec)
+
+    @contextlib.asynccontextmanager
+    async def sequence(self, name: str, *, version: str = "", **options: Any) -> AsyncIterator[SequenceSession]:
+        """``async with client.sequence(name) as seq:``: fetch the model (cached), then open a session on it.
+
+        Options are those of ``model.sequence()``.
+        """
+        model = await self.model(name, version=version)
+        async with model.sequence(**options) as seq:
+            yield seq
 
     async def _infer(
         self,
