@@ -160,6 +160,8 @@ class Client:
     ``timeout_s`` is the default per-call limit (``None``: no limit); per call it becomes the gRPC deadline
     and Triton's server-side request timeout. ``retry`` applies to stateless inference only. ``transport``
     replaces the transport built from the URL (a seam for wrapping the real one, e.g. to count calls).
+    Create it inside a running event loop: grpc.aio channels and aiohttp sessions bind to the loop (the
+    constructor does no network I/O; connections open on first use).
     """
 
     def __init__(
