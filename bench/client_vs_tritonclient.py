@@ -35,19 +35,45 @@ from common import (
     write_json,
 )
 
-from triton_npu_client import LocalTriton
+from triton_npu_client import Client, InferRequest, LocalTriton, Model
 
 MODEL = "scale_fp32"
 INPUT = np.arange(4, dtype=np.float32).reshape(1, 4)
 
 
-def this_client_contenders() -> list[Contender]:
-    """The slot for this SDK's client: return contenders here once ``Client`` exists (the lead fills it).
+class ThisClient:
+    """This SDK: ``await model.infer(INPUT0=x)`` per request, validation and encoding included."""
 
-    Each needs ``name``, ``async setup(url)``, ``async one_request()`` (send ``INPUT`` to ``MODEL``
-    and wait for the answer) and ``async teardown()``.
-    """
-    return []
+    def __init__(self, *, prebuilt: bool) -> None:
+        # prebuilt: one validated InferRequest reused for every call (the "request template" path);
+        # otherwise each call validates and encodes its inputs, as user code that builds inputs per call does.
+        self.prebuilt = prebuilt
+        self.name = "this client (prebuilt request)" if prebuilt else "this client (model.infer)"
+        self._client: Client | None = None
+        self._model: Model | None = None
+        self._request: InferRequest | None = None
+
+    async def setup(self, url: str) -> None:
+        self._client = Client(f"grpc://{url}")
+        self._model = await self._client.model(MODEL)
+        self._request = self._model.batch_request(INPUT0=INPUT)
+
+    async def one_request(self) -> None:
+        assert self._model is not None
+        if self.prebuilt:
+            assert self._request is not None
+            await self._model.infer_request(self._request)
+        else:
+            await self._model.infer_batch(INPUT0=INPUT)
+
+    async def teardown(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def this_client_contenders() -> list[Contender]:
+    """This SDK's client, per-call building and prebuilt request."""
+    return [ThisClient(prebuilt=False), ThisClient(prebuilt=True)]
 
 
 @contextlib.asynccontextmanager

@@ -12,6 +12,7 @@ from triton_npu_client import LocalTriton
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN = "tritonclient.grpc.aio loop"
 PERF_ANALYZER = "perf_analyzer (C++)"
+THIS_CLIENT = ("this client (model.infer)", "this client (prebuilt request)")
 
 
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -27,7 +28,7 @@ def test_client_vs_tritonclient_quick_on_its_own_server(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     cells = {(r["contender"], r["concurrency"]) for r in rows}
-    assert cells == {(c, n) for c in (PLAIN, PERF_ANALYZER) for n in (1, 4)}
+    assert cells == {(c, n) for c in (PLAIN, PERF_ANALYZER, *THIS_CLIENT) for n in (1, 4)}
     assert all(r["infer_s"] > 0 and r["errors"] == 0 and r["avg_batch"] >= 1.0 for r in rows)
     # The printed table has the same rows, and says how it was run.
     table_rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {PLAIN}")]

@@ -34,3 +34,24 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_py_typed_shipped() -> None:
     """The package ships py.typed."""
     assert (Path(triton_npu_client.__file__).parent / "py.typed").is_file()
+
+
+def test_server_toolkit_import_does_not_load_the_client() -> None:
+    """`import triton_npu_client.server` (what model.py does inside the stub) loads no tritonclient or grpc."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, triton_npu_client.server\n"
+        "print(sorted(m for m in ('tritonclient', 'grpc', 'aiohttp', 'attrs') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+
+
+def test_lazy_names_resolve_to_their_modules() -> None:
+    """Every lazily exported name resolves, and to an object defined in the module the map names."""
+    for name, module in triton_npu_client._LAZY.items():
+        value = getattr(triton_npu_client, name)
+        assert value is getattr(__import__(f"triton_npu_client{module}", fromlist=[name]), name)
+    assert set(triton_npu_client._LAZY) <= set(triton_npu_client.__all__)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import warnings
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from triton_npu_client import LocalTriton, SequenceIdleWarning, SequenceLost, _local, default_model_repository
+from triton_npu_client import LocalTriton, SequenceIdleWarning, SequenceLost, default_model_repository
 from triton_npu_client._client import Client
 from triton_npu_client._model import Model
 from triton_npu_client._sequence import open_sequence
@@ -108,19 +107,8 @@ async def test_idle_past_timeout_is_lost_and_freed(triton_server: LocalTriton) -
         assert await live_sequences(model) == before
 
 
-def _check_port_reusable(host: str, port: int, what: str) -> None:
-    # Like tritonserver itself, bind with SO_REUSEADDR: the killed server's side of old connections sits in
-    # TIME_WAIT for a minute, which stops a plain bind but not the real server.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, port))
-
-
-async def test_server_restart_loses_open_sessions_and_new_ones_work(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_server_restart_loses_open_sessions_and_new_ones_work(tmp_path: Path) -> None:
     """Killing and restarting the server (same gRPC port): open sessions raise SequenceLost; new sessions work."""
-    monkeypatch.setattr(_local, "_check_port_free", _check_port_reusable)
     shutil.copytree(default_model_repository() / MODEL, tmp_path / MODEL)
     server = LocalTriton(tmp_path, stop_grace_s=0)
     async with server:

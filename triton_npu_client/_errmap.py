@@ -198,7 +198,8 @@ def map_stream_error(
         or "is not found" in message
         or "has no available versions" in message
     )
-    if sequence_id is not None and lost:
+    # Nothing is lost before the server acknowledged a step: a failed START is the error itself.
+    if sequence_id is not None and lost and steps_acknowledged > 0:
         return _lost(f"{where}{message}", sequence_id, steps_acknowledged, model, request_id)
     if "is not found" in message or "has no available versions" in message:
         return ModelNotFoundError(f"{where}{message}", sequence_id=sequence_id, **ctx)

@@ -116,6 +116,9 @@ def _free_port(host: str) -> int:
 
 def _check_port_free(host: str, port: int, what: str) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR as tritonserver binds: a port whose old connections sit in TIME_WAIT (a server
+        # restarted on the same ports) is free for it, and must be free for this check too.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as err:

@@ -37,7 +37,6 @@ import logging
 import secrets
 import uuid
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Self
@@ -62,7 +61,6 @@ if TYPE_CHECKING:
 __all__ = [
     "SequenceIdleWarning",
     "SequenceSession",
-    "close_multiplexer",
     "multiplexer_for",
     "new_sequence_id",
     "open_sequence",
@@ -124,25 +122,10 @@ def validate_sequence_id(sequence_id: object, spec: ModelSpec) -> int | str:
     return sequence_id
 
 
-# One multiplexer per gRPC transport, made on first use. The transport's owner closes it with the transport
-# (see close_multiplexer); the weak keys only make sure a forgotten transport does not pin it.
-_MUXES: weakref.WeakKeyDictionary[Any, StreamMultiplexer] = weakref.WeakKeyDictionary()
-
-
 def multiplexer_for(transport: Any, *, streams: int = 1) -> StreamMultiplexer:
-    """The stream multiplexer over a gRPC transport's channel (one per transport, made on first use)."""
-    mux = _MUXES.get(transport)
-    if mux is None or mux.is_closed:
-        mux = StreamMultiplexer(transport.channel, streams=streams, metadata=transport.metadata)
-        _MUXES[transport] = mux
+    """The stream multiplexer of a gRPC transport (one per transport, made on first use, closed with it)."""
+    mux: StreamMultiplexer = transport.multiplexer(streams=streams)
     return mux
-
-
-async def close_multiplexer(transport: Any) -> None:
-    """Close the transport's multiplexer, if it has one: pending steps fail with ClientClosedError."""
-    mux = _MUXES.pop(transport, None)
-    if mux is not None:
-        await mux.aclose()
 
 
 def open_sequence(

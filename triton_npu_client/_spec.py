@@ -91,8 +91,8 @@ class SequenceSpec:
         return not self.string_ids
 
     @classmethod
-    def from_config(cls, sb: Mapping[str, Any]) -> SequenceSpec:
-        """From the ``sequence_batching`` section of the model config (JSON form)."""
+    def from_config(cls, sb: Mapping[str, Any], *, parameters: Mapping[str, Any] | None = None) -> SequenceSpec:
+        """From the ``sequence_batching`` section of the model config (JSON form) and the config's ``parameters``."""
         controls = []
         for entry in sb.get("control_input", ()):
             for ctl in entry.get("control", ()):
@@ -110,11 +110,15 @@ class SequenceSpec:
                     dtype = "INT32"
                 controls.append(ControlInput(name=str(entry["name"]), kind=kind, dtype=dtype))
         corrid = next((c for c in controls if c.kind == "CORRID"), None)
+        # A TYPE_STRING CORRID control does not work with the Python backend in 2.51 (the batcher pads string
+        # ids), so string-id models declare no CORRID and say so with this config parameter instead.
+        param = (parameters or {}).get("correlation_id_type") or {}
+        string_param = str(param.get("string_value", "")).lower() == "string"
         return cls(
             # Triton's strategy is a oneof whose default is direct.
             strategy="oldest" if "oldest" in sb else "direct",
             controls=tuple(controls),
-            string_ids=corrid is not None and corrid.dtype == "BYTES",
+            string_ids=(corrid is not None and corrid.dtype == "BYTES") or string_param,
             idle_timeout_us=int(sb.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_TIMEOUT_US),
         )
 
@@ -185,6 +189,6 @@ class ModelSpec:
             inputs=tuple(TensorSpec.from_config(e) for e in config.get("input", ())),
             outputs=tuple(TensorSpec.from_config(e) for e in config.get("output", ())),
             max_batch_size=int(config.get("max_batch_size") or 0),
-            sequence=SequenceSpec.from_config(sb) if sb is not None else None,
+            sequence=SequenceSpec.from_config(sb, parameters=config.get("parameters")) if sb is not None else None,
             decoupled=bool(policy.get("decoupled", False)),
         )

@@ -21,6 +21,7 @@ from .._exceptions import ConnectError, ServerUnavailable
 from .._options import TLSConfig
 from .._request import InferRequest, InferResult
 from ._base import Json
+from ._stream import StreamMultiplexer
 
 __all__ = ["DEFAULT_CHANNEL_OPTIONS", "GrpcTransport"]
 
@@ -79,6 +80,7 @@ class GrpcTransport:
         else:
             self._channel = grpc.aio.insecure_channel(target, options=self.channel_options)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._mux: StreamMultiplexer | None = None
         self._admin = grpcclient.InferenceServerClient(target, creds=creds, channel_args=list(self.channel_options))
 
     def __repr__(self) -> str:
@@ -204,9 +206,17 @@ class GrpcTransport:
         answer = await self._call(coro, model=name, version=version or None)
         return [dict(m) for m in answer.get("model_stats", ())]
 
+    def multiplexer(self, *, streams: int = 1) -> StreamMultiplexer:
+        """The stream multiplexer on this channel: made on first use, closed with the transport."""
+        if self._mux is None or self._mux.is_closed:
+            self._mux = StreamMultiplexer(self._channel, streams=streams, metadata=self._metadata)
+        return self._mux
+
     async def aclose(self) -> None:
-        """Close both channels; safe to call twice."""
+        """Close the multiplexer (pending steps fail with ClientClosedError) and both channels; idempotent."""
         try:
+            if self._mux is not None:
+                await self._mux.aclose()
             await self._admin.close()
         finally:
             await self._channel.close()
