@@ -72,6 +72,15 @@ class Run:
     # perf_analyzer reports percentiles, not raw latencies.
     p50_ms_reported: float | None = None
     p99_ms_reported: float | None = None
+    # Client process CPU (all threads, grpc's included) per request; None where not measured (perf_analyzer).
+    client_cpu_us: float | None = None
+    # Set when the contender (or the server under it) failed: the row prints this instead of numbers.
+    failure: str | None = None
+
+    @classmethod
+    def crashed(cls, contender: str, concurrency: int, why: str) -> Run:
+        """The row of a contender whose run failed (e.g. the server crashed under it)."""
+        return cls(contender=contender, concurrency=concurrency, requests=0, seconds=0.0, latencies_s=(), failure=why)
 
     @property
     def infer_s(self) -> float:
@@ -91,7 +100,10 @@ class Run:
 
 
 def median_run(runs: Sequence[Run]) -> Run:
-    """The run with the median throughput (the lower middle one for an even count)."""
+    """The run with the median throughput (the lower middle one for an even count); a failed run wins."""
+    failed = [r for r in runs if r.failure is not None]
+    if failed:
+        return failed[0]
     ordered = sorted(runs, key=lambda r: r.infer_s)
     return ordered[(len(ordered) - 1) // 2]
 
@@ -173,7 +185,9 @@ async def run_contender(
     try:
         await contender.one_request()  # warm the channel before the clock starts
         before = await batch_counts(url, model)
+        cpu0 = time.process_time()
         done, seconds, latencies = await _closed_loop(concurrency, requests, duration_s, one)
+        cpu = time.process_time() - cpu0
         after = await batch_counts(url, model)
     finally:
         await contender.teardown()
@@ -184,6 +198,7 @@ async def run_contender(
         seconds=seconds,
         latencies_s=tuple(latencies),
         avg_batch=_avg_batch(before, after),
+        client_cpu_us=cpu / done * 1e6 if done else None,
     )
 
 
@@ -206,7 +221,9 @@ async def run_sequences(
     await contender.setup(url)
     try:
         before = await batch_counts(url, model)
+        cpu0 = time.process_time()
         done, seconds, latencies = await _closed_loop(in_flight, sequences, duration_s, one)
+        cpu = time.process_time() - cpu0
         after = await batch_counts(url, model)
     finally:
         await contender.teardown()
@@ -217,6 +234,7 @@ async def run_sequences(
         seconds=seconds,
         latencies_s=tuple(latencies),
         avg_batch=_avg_batch(before, after),
+        client_cpu_us=cpu / done * 1e6 if done else None,
     )
 
 
@@ -294,7 +312,7 @@ class PlainTritonclient:
 
 
 def _ratio(a: Run | None, b: Run | None) -> str:
-    if a is None or b is None or b.infer_s <= 0:
+    if a is None or b is None or b.infer_s <= 0 or a.failure is not None or b.failure is not None:
         return "-"
     return f"{a.infer_s / b.infer_s:.2f}x"
 
@@ -302,9 +320,15 @@ def _ratio(a: Run | None, b: Run | None) -> str:
 def table(rows: Sequence[Run], *, unit: str = "infer/s") -> str:
     """The result table: one row per contender and concurrency, ratios against the two baselines."""
     by_key = {(r.contender, r.concurrency): r for r in rows}
-    header = ["contender", "concurrency", unit, "p50 ms", "p99 ms", "avg batch", "vs plain loop", "vs perf_analyzer"]
+    header = [
+        "contender", "concurrency", unit, "p50 ms", "p99 ms", "avg batch", "client CPU us/req",
+        "vs plain loop", "vs perf_analyzer",
+    ]  # fmt: skip
     lines = [header]
     for r in rows:
+        if r.failure is not None:
+            lines.append([r.contender, str(r.concurrency), "crashed", "-", "-", "-", "-", "-", "-"])
+            continue
         lines.append(
             [
                 r.contender,
@@ -313,6 +337,7 @@ def table(rows: Sequence[Run], *, unit: str = "infer/s") -> str:
                 f"{r.p50_ms:.2f}",
                 f"{r.p99_ms:.2f}",
                 f"{r.avg_batch:.2f}",
+                f"{r.client_cpu_us:.0f}" if r.client_cpu_us is not None else "-",
                 _ratio(r, by_key.get((PLAIN, r.concurrency))),
                 _ratio(r, by_key.get((PERF_ANALYZER, r.concurrency))),
             ]
@@ -336,6 +361,8 @@ def write_json(path: Path, rows: Sequence[Run], how: str) -> None:
                 "p99_ms": r.p99_ms,
                 "avg_batch": r.avg_batch,
                 "errors": r.errors,
+                "client_cpu_us": r.client_cpu_us,
+                "failure": r.failure,
             }
             for r in rows
         ],

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ import tritonclient.grpc.aio as grpcclient
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
+    PERF_ANALYZER,
     PLAIN,
     Run,
     SequenceContender,
@@ -40,19 +40,51 @@ from common import (
     write_json,
 )
 
-from triton_npu_client import LocalTriton, PerfAnalyzerError
+from triton_npu_client import Client, LocalTriton, Model, PerfAnalyzer, PerfAnalyzerError
 
 STEP = np.arange(4, dtype=np.float32).reshape(1, 4)
 
 
-def this_client_sequence_contenders() -> list[SequenceContender]:
-    """Slots for this SDK: "streaming sessions" and "unary sessions" (the lead fills them).
+class ThisClientSessions:
+    """This SDK: ``async with model.sequence(stream=...) as seq``, ``seq.infer`` per step, ``seq.end`` last.
 
-    Each needs ``name``, ``async setup(url)``, ``async run_sequence(steps, record)`` (open a session,
-    send ``steps`` steps of ``STEP`` in order, call ``record(latency_s)`` after each, close it) and
-    ``async teardown()``.
+    What a user writes: ids, START/END, per-sequence order and loss detection are the session's job.
+    ``stream=True`` carries every step on the client's one long-lived gRPC stream; ``False`` sends each
+    step as one unary gRPC call.
     """
-    return []
+
+    def __init__(self, model: str, *, stream: bool) -> None:
+        self._model_name = model
+        self._stream = stream
+        self.name = "this client (streaming sessions)" if stream else "this client (unary sessions)"
+        self._client: Client | None = None
+        self._model: Model | None = None
+
+    async def setup(self, url: str) -> None:
+        self._client = Client(f"grpc://{url}")
+        self._model = await self._client.model(self._model_name)
+
+    async def run_sequence(self, steps: int, record: Callable[[float], None]) -> None:
+        assert self._model is not None
+        x = STEP[0]  # sample form: the session adds the batch dim
+        async with self._model.sequence(stream=self._stream) as seq:
+            for step in range(steps):
+                t = time.perf_counter()
+                if step == steps - 1:
+                    await seq.end(X=x)
+                else:
+                    await seq.infer(X=x)
+                record(time.perf_counter() - t)
+
+    async def teardown(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+def this_client_sequence_contenders(model: str) -> list[SequenceContender]:
+    """This SDK's streaming sessions and unary sessions on ``model``."""
+    return [ThisClientSessions(model, stream=True), ThisClientSessions(model, stream=False)]
 
 
 class PlainSequenceLoop:
@@ -106,51 +138,99 @@ async def string_ids(url: str, model: str) -> bool:
     return any(c.get("data_type") == "TYPE_STRING" for ci in controls for c in ci.get("control", []))
 
 
-@contextlib.asynccontextmanager
-async def server_url(url: str | None) -> AsyncIterator[str]:
-    if url is not None:
-        yield url
-        return
-    async with LocalTriton() as server:
-        yield f"{server.host}:{server.grpc_port}"
+class Server:
+    """The server under the benchmark: a given URL, or one this script starts (and restarts after a crash)."""
+
+    def __init__(self, url: str | None) -> None:
+        self._given = url
+        self._local: LocalTriton | None = None
+
+    @property
+    def url(self) -> str:
+        if self._given is not None:
+            return self._given
+        assert self._local is not None
+        return f"{self._local.host}:{self._local.grpc_port}"
+
+    async def start(self) -> None:
+        if self._given is None:
+            self._local = LocalTriton()
+            await self._local.__aenter__()
+
+    async def revive(self) -> None:
+        """After a failed run: restart our own server if it died (a given server is left as it is)."""
+        if self._local is not None and not self._local.is_running:
+            print("the server died; starting a fresh one", file=sys.stderr)
+            await self._local.__aexit__(None, None, None)
+            await self.start()
+
+    async def stop(self) -> None:
+        if self._local is not None:
+            await self._local.__aexit__(None, None, None)
+            self._local = None
+
+
+async def _measure(
+    contender: SequenceContender, server: Server, model: str, *, in_flight: int, steps: int, seconds: float
+) -> Run:
+    """One run; a contender whose run fails (the server crashed under it, say) gives a "crashed" row."""
+    try:
+        return await run_sequences(contender, server.url, model, in_flight=in_flight, steps=steps, duration_s=seconds)
+    except Exception as err:  # any failure of one contender becomes its row; the bench goes on
+        print(f"{contender.name} at {in_flight} in flight failed: {err!r}", file=sys.stderr)
+        await server.revive()
+        return Run.crashed(contender.name, in_flight, repr(err))
 
 
 async def bench(ns: argparse.Namespace) -> list[Run]:
     rows: list[Run] = []
     pa = perf_analyzer_or_none()
-    async with server_url(ns.url) as url:
-        for model in ns.model:
-            contenders: list[SequenceContender] = [
-                PlainSequenceLoop(model, string_ids=await string_ids(url, model)),
-                *this_client_sequence_contenders(),
-            ]
-            for in_flight in ns.in_flight:
-                for contender in contenders:
-                    runs = [
-                        await run_sequences(
-                            contender, url, model, in_flight=in_flight, steps=ns.steps, duration_s=ns.seconds
-                        )
-                        for _ in range(ns.repeats)
-                    ]
-                    rows.append(median_run(runs))
-                if pa is None:
-                    continue
-                extra = [
-                    "--sequence-length", str(ns.steps), "--sequence-length-variation", "0",
-                    "--sequence-id-range", f"1:{max(1_000_000, in_flight * 10)}",
-                ]  # fmt: skip
-                try:
-                    pa_runs = [
-                        await run_perf_analyzer_at(
-                            pa, url, model, concurrency=in_flight, window_ms=int(ns.seconds * 1000), extra=extra
-                        )
-                        for _ in range(ns.repeats)
-                    ]
-                except PerfAnalyzerError as err:
-                    print(f"perf_analyzer failed on {model} at {in_flight}: {err}", file=sys.stderr)
-                    continue
-                rows.append(median_run(pa_runs))
+    server = Server(ns.url)
+    await server.start()
+    try:
+        await _bench(ns, server, pa, rows)
+    finally:
+        await server.stop()
     return rows
+
+
+async def _bench(ns: argparse.Namespace, server: Server, pa: PerfAnalyzer | None, rows: list[Run]) -> None:
+    for model in ns.model:
+        contenders: list[SequenceContender] = [
+            PlainSequenceLoop(model, string_ids=await string_ids(server.url, model)),
+            *this_client_sequence_contenders(model),
+        ]
+        for in_flight in ns.in_flight:
+            for contender in contenders:
+                runs = []
+                for _ in range(ns.repeats):
+                    run = await _measure(
+                        contender, server, model, in_flight=in_flight, steps=ns.steps, seconds=ns.seconds
+                    )
+                    runs.append(run)
+                    if run.failure is not None:
+                        break
+                rows.append(median_run(runs))
+            if pa is None:
+                continue
+            url = server.url
+            extra = [
+                "--sequence-length", str(ns.steps), "--sequence-length-variation", "0",
+                "--sequence-id-range", f"1:{max(1_000_000, in_flight * 10)}",
+            ]  # fmt: skip
+            try:
+                pa_runs = [
+                    await run_perf_analyzer_at(
+                        pa, url, model, concurrency=in_flight, window_ms=int(ns.seconds * 1000), extra=extra
+                    )
+                    for _ in range(ns.repeats)
+                ]
+            except PerfAnalyzerError as err:
+                print(f"perf_analyzer failed on {model} at {in_flight}: {err}", file=sys.stderr)
+                await server.revive()
+                rows.append(Run.crashed(PERF_ANALYZER, in_flight, str(err)))
+                continue
+            rows.append(median_run(pa_runs))
 
 
 def main(argv: list[str] | None = None) -> int:

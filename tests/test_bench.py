@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLAIN = "tritonclient.grpc.aio loop"
 PERF_ANALYZER = "perf_analyzer (C++)"
 THIS_CLIENT = ("this client (model.infer)", "this client (prebuilt request)")
+THIS_CLIENT_SESSIONS = ("this client (streaming sessions)", "this client (unary sessions)")
 
 
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -37,13 +39,33 @@ def test_client_vs_tritonclient_quick_on_its_own_server(tmp_path: Path) -> None:
 
 
 def test_sequences_quick(triton_server: LocalTriton, tmp_path: Path) -> None:
-    """The sequence benchmark runs the plain loop and perf_analyzer's sequence mode on seq_stats_oldest."""
+    """The sequence benchmark runs the plain loop, this client's sessions and perf_analyzer on seq_stats_oldest."""
     out = tmp_path / "rows.json"
     url = f"127.0.0.1:{triton_server.grpc_port}"
     proc = _run(["bench/sequences.py", "--quick", "--url", url, "--json", str(out)], timeout_s=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["contender"], r["concurrency"]) for r in rows} == {(PLAIN, 16), (PERF_ANALYZER, 16)}
-    assert all(r["infer_s"] > 0 and r["errors"] == 0 for r in rows)
+    expected = {(c, 16) for c in (PLAIN, PERF_ANALYZER, *THIS_CLIENT_SESSIONS)}
+    assert {(r["contender"], r["concurrency"]) for r in rows} == expected
+    assert all(r["infer_s"] > 0 and r["errors"] == 0 and r["failure"] is None for r in rows)
     # Sequences from 16 concurrent clients really batch on the server (oldest strategy).
     assert all(r["avg_batch"] > 1.0 for r in rows)
+
+
+def test_table_prints_crashed_rows_without_ratios() -> None:
+    """A failed contender's row reads "crashed", and no ratio is computed against or from it."""
+    sys.path.insert(0, str(ROOT / "bench"))  # bench/ is a folder of scripts, not a package
+    try:
+        common = importlib.import_module("common")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    Run, median_run, table = common.Run, common.median_run, common.table
+    ok = Run(contender=PLAIN, concurrency=16, requests=100, seconds=1.0, latencies_s=(0.01,) * 100)
+    crashed = Run.crashed("this client (streaming sessions)", 16, "ConnectError('stream broke')")
+    # One crashed repeat makes the cell crashed: a median must not hide a failure.
+    assert median_run([ok, crashed, ok]).failure is not None
+    lines = table([ok, crashed]).splitlines()
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert cells[:3] == ["this client (streaming sessions)", "16", "crashed"]
+    assert set(cells[3:]) == {"-"}
+    assert [c.strip() for c in lines[2].strip("|").split("|")][-2] == "1.00x"
