@@ -14,27 +14,19 @@ import argparse
 import asyncio
 
 import numpy as np
-import tritonclient.grpc.aio as grpcclient
 
 # The generated module sits beside this script, so it imports as a top-level module.
 from scale_models import ScaleFp32Inputs, ScaleFp32Outputs
 
-from triton_npu_client import LocalTriton
+from triton_npu_client import Client, LocalTriton
 
 
 async def call(url: str) -> ScaleFp32Outputs:
-    """One typed request; raw tritonclient until the SDK's Client lands (then: ``model.infer(**as_dict())``)."""
+    """One typed request: generated inputs in, the SDK validates and sends them, generated outputs out."""
     inputs = ScaleFp32Inputs(INPUT0=np.arange(8, dtype=np.float32).reshape(2, 4))
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        tensors = []
-        for name, value in inputs.as_dict().items():
-            tensor = grpcclient.InferInput(name, list(value.shape), "FP32")
-            tensor.set_data_from_numpy(value)
-            tensors.append(tensor)
-        result = await client.infer(ScaleFp32Inputs.MODEL_NAME, tensors)
-    finally:
-        await client.close()
+    async with Client(f"grpc://{url}") as client:
+        model = await client.model(ScaleFp32Inputs.MODEL_NAME)
+        result = await model.infer_batch(inputs.as_dict())
     outputs = ScaleFp32Outputs.from_result(result)
     if not np.array_equal(outputs.OUTPUT0, inputs.INPUT0 * 2):
         raise SystemExit(f"unexpected answer: {outputs.OUTPUT0!r}")
