@@ -14,12 +14,15 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from triton_npu_client import (
+    Client,
     ClientClosedError,
+    InternalServerError,
     InvalidArgumentError,
     LocalTriton,
     ModelNotFoundError,
     RequestTimeout,
     TransportError,
+    UsageError,
     default_model_repository,
 )
 from triton_npu_client._transport._stream import StreamMultiplexer
@@ -173,3 +176,45 @@ async def test_stream_failure_fails_pending_then_a_new_stream_opens(tmp_path: Pa
         finally:
             await mux.aclose()
             await ch.close()
+
+
+def repeat_request(n: int) -> Any:
+    request = service_pb2.ModelInferRequest(model_name="repeat_int32")
+    tensor = request.inputs.add()
+    tensor.name = "N"
+    tensor.datatype = "INT32"
+    tensor.shape.extend([1])
+    request.raw_input_contents.append(np.array([n], dtype=np.int32).tobytes())
+    return request
+
+
+async def test_decoupled_responses_stream_in_order_and_end_on_final_flag(channel: grpc.aio.Channel) -> None:
+    """A decoupled model's N responses arrive in order per request, interleaved requests apart, then end."""
+    async with StreamMultiplexer(channel) as mux:
+
+        async def pieces(n: int) -> list[int]:
+            async with mux.stream(repeat_request(n)) as responses:
+                return [int(np.frombuffer(r.raw_output_contents[0], np.int32)[0]) async for r in responses]
+
+        counts = [0, 1, 7, 3, 12, 5]
+        got = await asyncio.gather(*(pieces(n) for n in counts))
+        assert got == [list(range(n)) for n in counts]
+        assert mux.pending_count == 0
+
+
+async def test_decoupled_error_ends_its_stream_only(channel: grpc.aio.Channel) -> None:
+    """An error response on one decoupled request raises from its iterator; a concurrent one completes."""
+    async with StreamMultiplexer(channel) as mux, mux.stream(repeat_request(4)) as good:
+        with pytest.raises(InternalServerError, match="N must be >= 0, got -1"):
+            async with mux.stream(repeat_request(-1)) as bad:
+                _ = [r async for r in bad]
+        assert [int(np.frombuffer(r.raw_output_contents[0], np.int32)[0]) async for r in good] == [0, 1, 2, 3]
+
+
+async def test_decoupled_spec_read_from_the_real_config(triton_server: LocalTriton) -> None:
+    """The model handle knows repeat_int32 is decoupled, and unary inference on it is refused before sending."""
+    async with Client(triton_server.grpc_url) as client:
+        model = await client.model("repeat_int32")
+        assert model.spec.decoupled is True
+        with pytest.raises(UsageError, match="decoupled"):
+            await model.infer(N=np.array([2], dtype=np.int32))
