@@ -90,6 +90,24 @@ async def test_stream_needs_grpc(triton_server: LocalTriton) -> None:
             open_sequence(model, stream=True)
 
 
+async def test_decoupled_model_goes_over_the_stream(triton_server: LocalTriton) -> None:
+    """A decoupled stateful model: the default path is the stream; unary or HTTP is refused before any call."""
+    async with Client(triton_server.grpc_url) as client:
+        model = await client.model("seq_stats_stream")
+        with pytest.raises(SequenceUsageError, match="decoupled"):
+            open_sequence(model, stream=False)
+        async with open_sequence(model) as seq:
+            first = await seq.infer(X=np.array([1, 2, 3, 4], np.float32))
+            second = await seq.end(X=np.array([3, 4, 5, 6], np.float32))
+        assert seq.via == "stream"
+        assert int(first["COUNT"][0, 0]) == 1
+        np.testing.assert_allclose(second["MEAN"][0], [2, 3, 4, 5])
+    async with Client(triton_server.http_url) as client:
+        model = await client.model("seq_stats_stream")
+        with pytest.raises(SequenceUsageError, match="gRPC"):
+            open_sequence(model)
+
+
 @pytest.mark.parametrize(("protocol", "stream"), WAYS, ids=WAY_IDS)
 async def test_steps_build_state_and_end_frees_it(triton_server: LocalTriton, protocol: str, stream: bool) -> None:
     """Each step answers the running mean/variance of the session's own inputs; after end() the step is refused."""

@@ -132,23 +132,34 @@ def open_sequence(
     model: Model,
     *,
     sequence_id: int | str | None = None,
-    stream: bool = False,
+    stream: bool | None = None,
     timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
     end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
     outputs: Sequence[str] | None = None,
 ) -> SequenceSession:
     """A new session on ``model`` (what ``model.sequence(...)`` returns). No I/O until the first step.
 
-    ``stream=True`` carries the steps on the client's gRPC stream multiplexer; ``False`` (the default) sends
-    each step as one unary call (gRPC or HTTP, the client's protocol). Why not streaming by default: with
-    several hundred sequences in flight on one stream, Triton 2.51 itself crashed (SIGSEGV in
-    ``TRITONBACKEND_RequestRelease``) in 3 of 8 runs here, unary never; see the project's notes.
+    ``stream`` chooses the path of the steps: ``True``, the client's gRPC stream multiplexer (one long-lived
+    bidirectional stream shared by many sequences); ``False``, one unary call per step (gRPC or HTTP, the
+    client's protocol); ``None`` (the default), the stream for a decoupled model (Triton serves those only
+    there) and unary calls otherwise. Why not the stream for every model: Triton 2.51 crashes (SIGSEGV in
+    ``TRITONBACKEND_RequestRelease``) under streamed load when a *non-decoupled* Python model answers, which a
+    decoupled model that sends each answer with the FINAL flag avoids (``bench/repro_stream_crash/``).
     ``timeout_s`` bounds each step's wait (the client's default when not given; ``None``: no limit).
     """
     transport = model.client.transport
+    if stream is None:
+        stream = model.spec.decoupled
     if stream and transport.protocol != "grpc":
         raise SequenceUsageError(
-            f"stream=True needs a gRPC client; this one speaks {transport.protocol}", model=model.name
+            f"model {model.name!r}: stream=True needs a gRPC client; this one speaks {transport.protocol}",
+            model=model.name,
+        )
+    if not stream and model.spec.decoupled:
+        raise SequenceUsageError(
+            f"model {model.name!r} is decoupled: Triton serves it over the gRPC stream only; "
+            f"use a grpc:// client and stream=True (or leave stream unset)",
+            model=model.name,
         )
     return SequenceSession(
         model,
@@ -202,9 +213,14 @@ class SequenceSession:
         self._last_answer_at: float | None = None
 
     def __repr__(self) -> str:
-        via = "stream" if self._mux is not None else self._model.client.config.scheme
+        via = self.via
         state = "lost" if self._loss is not None else "ended" if self._ended else "open"
         return f"<Sequence {self._spec.name} id={self._id!r} via={via} steps={self._acked} {state}>"
+
+    @property
+    def via(self) -> str:
+        """How the steps travel: ``"stream"`` (the gRPC stream multiplexer), else the client's URL scheme."""
+        return "stream" if self._mux is not None else self._model.client.config.scheme
 
     @property
     def sequence_id(self) -> int | str:

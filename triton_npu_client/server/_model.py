@@ -5,6 +5,11 @@ model.py passes in, so the toolkit imports without it. Per request: input ``X`` 
 outputs ``MEAN`` and ``VAR`` (FP32 ``[dim]``, population variance), ``COUNT`` (INT64 ``[1]``, steps
 so far in this sequence) and ``LIVE`` (INT64 ``[1]``, sequences this instance holds after this
 execute, ENDs of the same batch already freed: a one-request sequence reads "live now, besides me").
+
+A config with ``model_transaction_policy { decoupled: true }`` gets each answer through the request's
+response sender, with the FINAL flag on the same response. That is the form that survives Triton 2.51's
+gRPC stream under load (see bench/repro_stream_crash/): for a non-decoupled model answered over a stream,
+the server frees a request twice, from the frontend and the backend, and crashes now and then.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class RunningStatsModel:
         )
         self.state = RunningMoments(capacity=capacity, dim=self.dim, device=self.device)
         self._control_names = tuple(self.batching.control_inputs.values())
+        self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled", False))
         _log.info(
             "%s on %s: %s strategy, cap %d, idle %g s",
             args.get("model_instance_name"),
@@ -76,7 +82,16 @@ class RunningStatsModel:
             self.batching.idle_timeout_s,
         )
 
-    def execute(self, requests: Sequence[Any]) -> list[Any]:
+    def execute(self, requests: Sequence[Any]) -> list[Any] | None:
+        responses = self._responses(requests)
+        if not self.decoupled:
+            return responses
+        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for request, response in zip(requests, responses, strict=True):
+            request.get_response_sender().send(response, flags=final)
+        return None
+
+    def _responses(self, requests: Sequence[Any]) -> list[Any]:
         pb = self._pb
         controls: list[SequenceControls] = []
         inputs: list[NDArray[Any] | None] = []
