@@ -35,7 +35,7 @@ from common import (
     write_json,
 )
 
-from triton_npu_client import Client, InferRequest, LocalTriton, Model
+from triton_npu_client import Client, Coalescing, InferRequest, LocalTriton, Model
 
 MODEL = "scale_fp32"
 INPUT = np.arange(4, dtype=np.float32).reshape(1, 4)
@@ -44,17 +44,22 @@ INPUT = np.arange(4, dtype=np.float32).reshape(1, 4)
 class ThisClient:
     """This SDK: ``await model.infer(INPUT0=x)`` per request, validation and encoding included."""
 
-    def __init__(self, *, prebuilt: bool) -> None:
+    def __init__(self, *, prebuilt: bool, coalescing: Coalescing | None = None) -> None:
         # prebuilt: one validated InferRequest reused for every call (the "request template" path);
         # otherwise each call validates and encodes its inputs, as user code that builds inputs per call does.
+        # coalescing: the opt-in client-side batching of concurrent callers (per-call building, as model.infer).
         self.prebuilt = prebuilt
-        self.name = "this client (prebuilt request)" if prebuilt else "this client (model.infer)"
+        self.coalescing = coalescing
+        if coalescing is not None:
+            self.name = "this client (model.infer, coalescing)"
+        else:
+            self.name = "this client (prebuilt request)" if prebuilt else "this client (model.infer)"
         self._client: Client | None = None
         self._model: Model | None = None
         self._request: InferRequest | None = None
 
     async def setup(self, url: str) -> None:
-        self._client = Client(f"grpc://{url}")
+        self._client = Client(f"grpc://{url}", coalescing=self.coalescing)
         self._model = await self._client.model(MODEL)
         self._request = self._model.batch_request(INPUT0=INPUT)
 
@@ -72,8 +77,12 @@ class ThisClient:
 
 
 def this_client_contenders() -> list[Contender]:
-    """This SDK's client, per-call building and prebuilt request."""
-    return [ThisClient(prebuilt=False), ThisClient(prebuilt=True)]
+    """This SDK's client: per-call building, prebuilt request (the defaults), and opt-in coalescing."""
+    return [
+        ThisClient(prebuilt=False),
+        ThisClient(prebuilt=True),
+        ThisClient(prebuilt=False, coalescing=Coalescing()),
+    ]
 
 
 @contextlib.asynccontextmanager

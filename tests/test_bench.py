@@ -13,7 +13,11 @@ from triton_npu_client import LocalTriton
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN = "tritonclient.grpc.aio loop"
 PERF_ANALYZER = "perf_analyzer (C++)"
-THIS_CLIENT = ("this client (model.infer)", "this client (prebuilt request)")
+THIS_CLIENT = (
+    "this client (model.infer)",
+    "this client (prebuilt request)",
+    "this client (model.infer, coalescing)",
+)
 THIS_CLIENT_SESSIONS = ("this client (streaming sessions)", "this client (unary sessions)")
 
 

@@ -53,6 +53,9 @@ if _typing.TYPE_CHECKING:
         RepositoryModel,
         ServerMetadata,
     )
+    from ._coalesce import (
+        Coalescing,
+    )
     from ._local import (
         LocalTriton,
         default_model_repository,
@@ -100,6 +103,7 @@ _LAZY: dict[str, str] = {
     "ModelStatistics": "._client",
     "RepositoryModel": "._client",
     "ServerMetadata": "._client",
+    "Coalescing": "._coalesce",
     "LocalTriton": "._local",
     "default_model_repository": "._local",
     "find_tritonserver": "._local",
@@ -144,6 +148,7 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "ClientConfig",
+    "Coalescing",
     "ConnectError",
     "ControlInput",
     "DuplicateInputError",

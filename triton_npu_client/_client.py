@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from ._coalesce import Coalescer, Coalescing
 from ._exceptions import (
     ClientClosedError,
     ConnectError,
@@ -55,6 +56,7 @@ class ClientConfig:
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     tls: TLSConfig | None = None
     channel_options: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_freeze_options)
+    coalescing: Coalescing | None = None
 
     @property
     def scheme(self) -> str:
@@ -162,6 +164,10 @@ class Client:
     replaces the transport built from the URL (a seam for wrapping the real one, e.g. to count calls).
     Create it inside a running event loop: grpc.aio channels and aiohttp sessions bind to the loop (the
     constructor does no network I/O; connections open on first use).
+
+    ``coalescing=Coalescing()`` merges concurrent stateless requests to one model into batched requests
+    (client-side batching: ~3x the throughput at 16 in flight on 2 cores; off by default because errors and
+    cancellation are then shared by the merged callers; see :class:`Coalescing`).
     """
 
     def __init__(
@@ -173,6 +179,7 @@ class Client:
         retry: RetryPolicy | None = None,
         tls: TLSConfig | None = None,
         channel_options: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
+        coalescing: Coalescing | None = None,
         transport: Transport | None = None,
     ) -> None:
         config = ClientConfig(
@@ -182,6 +189,7 @@ class Client:
             retry=retry if retry is not None else RetryPolicy(),
             tls=tls,
             channel_options=channel_options,
+            coalescing=coalescing,
         )
         self._init(config, transport if transport is not None else _make_transport(config), owns=True)
 
@@ -191,6 +199,8 @@ class Client:
         self._owns_transport = owns
         self._closed = False
         self._models: dict[tuple[str, str], ModelSpec] = {}
+        # Per client object (not per transport): a copy from with_options() batches its own callers.
+        self._coalescer = Coalescer(config.coalescing) if config.coalescing is not None else None
 
     @classmethod
     def _from_config(cls, config: ClientConfig, transport: Transport, *, owns: bool) -> Client:
@@ -221,12 +231,12 @@ class Client:
     def with_options(self, **changes: Any) -> Client:
         """A client with some options changed (``attrs.evolve`` of :attr:`config`).
 
-        Changing only ``timeout_s`` or ``retry`` shares this client's connection (closing the copy leaves
-        it open); anything else opens a new connection that the copy owns.
+        Changing only ``timeout_s``, ``retry`` or ``coalescing`` shares this client's connection (closing the
+        copy leaves it open); anything else opens a new connection that the copy owns.
         """
         self._check_open()
         config = attrs.evolve(self._config, **changes)
-        if set(changes) <= {"timeout_s", "retry"}:
+        if set(changes) <= {"timeout_s", "retry", "coalescing"}:
             child = Client._from_config(config, self._transport, owns=False)
             child._models = self._models
             return child
@@ -241,8 +251,12 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        if self._owns_transport:
-            await self._transport.aclose()
+        try:
+            if self._coalescer is not None:
+                await self._coalescer.aclose()
+        finally:
+            if self._owns_transport:
+                await self._transport.aclose()
 
     async def __aenter__(self) -> Self:
         self._check_open()
@@ -396,23 +410,50 @@ class Client:
         sequence_start: bool,
         sequence_end: bool,
         retry: bool,
+        max_batch_size: int = 0,
     ) -> InferResult:
         self._check_open()
         timeout = self._timeout(timeout_s)
+        coalescer = self._coalescer
+        if (
+            coalescer is not None
+            and sequence_id is None
+            and not request_id
+            and coalescer.eligible(request, max_batch_size=max_batch_size)
+        ):
+            policy = self._config.retry if retry else NO_RETRY
+            return await coalescer.infer(
+                request,
+                timeout_s=timeout,
+                max_batch_size=max_batch_size,
+                send=lambda merged: self._send(merged, timeout, "", None, False, False, policy),
+            )
+        # A sequence step is never retried: the state it would build twice lives on the server.
+        policy = self._config.retry if retry and sequence_id is None else NO_RETRY
+        return await self._send(request, timeout, request_id, sequence_id, sequence_start, sequence_end, policy)
+
+    async def _send(
+        self,
+        request: InferRequest,
+        timeout_s: float | None,
+        request_id: str,
+        sequence_id: int | str | None,
+        sequence_start: bool,
+        sequence_end: bool,
+        policy: RetryPolicy,
+    ) -> InferResult:
         transport = self._transport
 
         def call() -> Awaitable[InferResult]:
             return transport.infer(
                 request,
-                timeout_s=timeout,
+                timeout_s=timeout_s,
                 request_id=request_id,
                 sequence_id=sequence_id,
                 sequence_start=sequence_start,
                 sequence_end=sequence_end,
             )
 
-        # A sequence step is never retried: the state it would build twice lives on the server.
-        policy = self._config.retry if retry and sequence_id is None else NO_RETRY
         if policy.max_attempts == 1:
             return await call()
         return await run_with_retry(call, policy)

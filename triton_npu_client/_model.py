@@ -142,6 +142,7 @@ class Model:
             sequence_start=sequence_start,
             sequence_end=sequence_end,
             retry=retry,
+            max_batch_size=self._spec.max_batch_size,
         )
 
     # -- sessions -------------------------------------------------------------------------------------
