@@ -177,9 +177,20 @@ async def _measure(
     try:
         return await run_sequences(contender, server.url, model, in_flight=in_flight, steps=steps, duration_s=seconds)
     except Exception as err:  # any failure of one contender becomes its row; the bench goes on
-        print(f"{contender.name} at {in_flight} in flight failed: {err!r}", file=sys.stderr)
+        why = _summary(err)
+        print(f"{contender.name} at {in_flight} in flight failed: {why}", file=sys.stderr)
         await server.revive()
-        return Run.crashed(contender.name, in_flight, repr(err))
+        return Run.crashed(contender.name, in_flight, why)
+
+
+def _summary(err: BaseException) -> str:
+    """One line for a failure: a TaskGroup's hundreds of SequenceLost become a count and the first one."""
+    if isinstance(err, BaseExceptionGroup):
+        first = err.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        return f"{len(err.exceptions)} sessions failed, first: {first!r}"
+    return repr(err)
 
 
 async def bench(ns: argparse.Namespace) -> list[Run]:
