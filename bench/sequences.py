@@ -45,24 +45,30 @@ from triton_npu_client import Client, LocalTriton, Model, PerfAnalyzer, PerfAnal
 STEP = np.arange(4, dtype=np.float32).reshape(1, 4)
 
 
+# Streamed sessions go to a model's decoupled twin: Triton 2.51 crashes under streamed load when a
+# non-decoupled Python model answers (bench/repro_stream_crash/); the twin runs the same computation.
+STREAM_TWINS = {"seq_stats_oldest": "seq_stats_stream"}
+
+
 class ThisClientSessions:
-    """This SDK: ``async with model.sequence(stream=...) as seq``, ``seq.infer`` per step, ``seq.end`` last.
+    """This SDK: ``async with model.sequence() as seq``, ``seq.infer`` per step, ``seq.end`` last.
 
     What a user writes: ids, START/END, per-sequence order and loss detection are the session's job.
-    ``stream=True`` carries every step on the client's one long-lived gRPC stream; ``False`` sends each
-    step as one unary gRPC call.
+    ``stream=True`` carries every step on the client's one long-lived gRPC stream (on the model's decoupled
+    twin when it has one); ``False`` sends each step as one unary gRPC call.
     """
 
     def __init__(self, model: str, *, stream: bool) -> None:
-        self._model_name = model
+        self.stats_model = STREAM_TWINS.get(model, model) if stream else model
         self._stream = stream
-        self.name = "this client (streaming sessions)" if stream else "this client (unary sessions)"
+        twin = f", {self.stats_model}" if self.stats_model != model else ""
+        self.name = f"this client (streaming sessions{twin})" if stream else "this client (unary sessions)"
         self._client: Client | None = None
         self._model: Model | None = None
 
     async def setup(self, url: str) -> None:
         self._client = Client(f"grpc://{url}")
-        self._model = await self._client.model(self._model_name)
+        self._model = await self._client.model(self.stats_model)
 
     async def run_sequence(self, steps: int, record: Callable[[float], None]) -> None:
         assert self._model is not None
@@ -83,7 +89,7 @@ class ThisClientSessions:
 
 
 def this_client_sequence_contenders(model: str) -> list[SequenceContender]:
-    """This SDK's streaming sessions and unary sessions on ``model``."""
+    """This SDK's streaming sessions (on the decoupled twin, if any) and unary sessions on ``model``."""
     return [ThisClientSessions(model, stream=True), ThisClientSessions(model, stream=False)]
 
 
@@ -215,8 +221,10 @@ async def _bench(ns: argparse.Namespace, server: Server, pa: PerfAnalyzer | None
             for contender in contenders:
                 runs = []
                 for _ in range(ns.repeats):
+                    # The model whose statistics give the average batch: a contender may run on a twin.
+                    stats_model = getattr(contender, "stats_model", model)
                     run = await _measure(
-                        contender, server, model, in_flight=in_flight, steps=ns.steps, seconds=ns.seconds
+                        contender, server, stats_model, in_flight=in_flight, steps=ns.steps, seconds=ns.seconds
                     )
                     runs.append(run)
                     if run.failure is not None:

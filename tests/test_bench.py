@@ -18,7 +18,7 @@ THIS_CLIENT = (
     "this client (prebuilt request)",
     "this client (model.infer, coalescing)",
 )
-THIS_CLIENT_SESSIONS = ("this client (streaming sessions)", "this client (unary sessions)")
+THIS_CLIENT_SESSIONS = ("this client (streaming sessions, seq_stats_stream)", "this client (unary sessions)")
 
 
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:

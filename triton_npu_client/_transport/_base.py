@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 from .._request import InferRequest, InferResult
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "server_timeout_us"]
 
 Json = dict[str, Any]
 
@@ -59,3 +59,14 @@ class Transport(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+def server_timeout_us(timeout_s: float | None, sequence_id: int | str | None) -> int | None:
+    """Triton's server-side request timeout for a call, in microseconds.
+
+    None for sequence steps: Triton silently dropping a queued step would leave the sequence's server state
+    without it; the client deadline alone bounds the wait (the session layer decides what a timeout means).
+    """
+    if timeout_s is None or sequence_id is not None:
+        return None
+    return max(1, int(timeout_s * 1_000_000))

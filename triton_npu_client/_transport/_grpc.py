@@ -20,7 +20,7 @@ from .._errmap import map_error
 from .._exceptions import ConnectError, ServerUnavailable
 from .._options import TLSConfig
 from .._request import InferRequest, InferResult
-from ._base import Json
+from ._base import Json, server_timeout_us
 from ._stream import StreamMultiplexer
 
 __all__ = ["DEFAULT_CHANNEL_OPTIONS", "GrpcTransport"]
@@ -39,17 +39,6 @@ DEFAULT_CHANNEL_OPTIONS: Final[Mapping[str, Any]] = {
     "grpc.keepalive_permit_without_calls": False,
     "grpc.http2.max_pings_without_data": 2,
 }
-
-
-def _server_timeout_us(timeout_s: float | None, sequence_id: int | str | None) -> int | None:
-    """Triton's server-side request timeout for a call, in microseconds.
-
-    None for sequence steps: Triton silently dropping a queued step would leave the sequence's server state
-    without it; the client deadline alone bounds the wait (the session layer decides what a timeout means).
-    """
-    if timeout_s is None or sequence_id is not None:
-        return None
-    return max(1, int(timeout_s * 1_000_000))
 
 
 class GrpcTransport:
@@ -140,7 +129,7 @@ class GrpcTransport:
             sequence_id=sequence_id,
             sequence_start=sequence_start,
             sequence_end=sequence_end,
-            timeout_us=_server_timeout_us(timeout_s, sequence_id),
+            timeout_us=server_timeout_us(timeout_s, sequence_id),
         )
         try:
             # Cancelling the awaiting task cancels this call: grpc.aio turns CancelledError into an RPC cancel.

@@ -19,20 +19,9 @@ import tritonclient.http.aio as httpclient
 from .._errmap import map_error
 from .._options import TLSConfig
 from .._request import InferRequest, InferResult
-from ._base import Json
+from ._base import Json, server_timeout_us
 
 __all__ = ["HttpTransport"]
-
-
-def _server_timeout_us(timeout_s: float | None, sequence_id: int | str | None) -> int | None:
-    """Triton's server-side request timeout for a call, in microseconds.
-
-    None for sequence steps: Triton silently dropping a queued step would leave the sequence's server state
-    without it; the client deadline alone bounds the wait (the session layer decides what a timeout means).
-    """
-    if timeout_s is None or sequence_id is not None:
-        return None
-    return max(1, int(timeout_s * 1_000_000))
 
 
 class HttpTransport:
@@ -93,7 +82,7 @@ class HttpTransport:
             sequence_id=sequence_id if sequence_id is not None else 0,
             sequence_start=sequence_start,
             sequence_end=sequence_end,
-            timeout=_server_timeout_us(timeout_s, sequence_id),
+            timeout=server_timeout_us(timeout_s, sequence_id),
             headers=self._headers,
         )
         result = await self._call(

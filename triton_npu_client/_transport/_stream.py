@@ -129,6 +129,10 @@ class _Stream:
         waiter.queue.put_nowait(message)
 
     def _fail(self, error: TritonError, *, cause: BaseException | None) -> None:
+        if self.alive:
+            # Let the request iterator finish on its own: grpc's task may be suspended inside it (awaiting the
+            # queue), and a generator finalised there logs "asynchronous generator is already running".
+            self._queue.put_nowait(_END_OF_REQUESTS)
         self.alive = False
         pending, self.pending = self.pending, {}
         for waiter in pending.values():
@@ -142,8 +146,6 @@ class _Stream:
         self._call.cancel()
 
     async def aclose(self) -> None:
-        if self.alive:
-            self._queue.put_nowait(_END_OF_REQUESTS)
         self._fail(ClientClosedError("The stream multiplexer was closed."), cause=None)
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
