@@ -1,4 +1,4 @@
-"""Pure unit tests of triton_npu_client.server: no Triton, CPU torch, injected clock (no sleeping)."""
+"""Pure unit tests of triton_npu_client.server: no Triton, CPU torch and numpy, injected clock (no sleeping)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,18 @@ from numpy.typing import NDArray
 from triton_npu_client.server import (
     Accelerators,
     DeviceChoice,
+    NumpyMoments,
     RunningMoments,
     SequenceBatching,
     SequenceControls,
     SequenceSlots,
+    accelerator_possible,
     choose_device,
     instance_index,
     model_parameter,
     parse_device_ids,
     read_controls,
+    to_host,
 )
 
 
@@ -271,6 +274,83 @@ def test_batched_step_equals_per_sequence_reference(lengths: list[int], seed: in
         assert count_i == len(seq)
         np.testing.assert_allclose(mean_i, seq.mean(axis=0), rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(var_i, seq.var(axis=0), rtol=1e-4, atol=1e-3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(min_value=1, max_value=10), min_size=1, max_size=6),
+    st.integers(min_value=0, max_value=2**31),
+)
+def test_numpy_state_equals_torch_state(lengths: list[int], seed: int) -> None:
+    """NumpyMoments and RunningMoments (torch, CPU) give bit-identical count/mean/var on random interleaved steps."""
+    rng = np.random.default_rng(seed)
+    dim = 3
+    slots = SequenceSlots(capacity=len(lengths), idle_timeout_s=1.0, clock=FakeClock())
+    host = NumpyMoments(capacity=len(lengths), dim=dim)
+    dev = RunningMoments(capacity=len(lengths), dim=dim)
+    done = [0] * len(lengths)
+    # Sequences restart (fresh) after they end, so stale rows of freed slots must be ignored by both.
+    while any(d < 2 * n for d, n in zip(done, lengths, strict=True)):
+        pending = [i for i, n in enumerate(lengths) if done[i] < 2 * n]
+        chosen = [int(i) for i in rng.permutation(pending)[: rng.integers(1, len(pending) + 1)]]
+        ctl = [
+            SequenceControls(
+                correlation_id=i + 1, start=done[i] % lengths[i] == 0, end=done[i] % lengths[i] == lengths[i] - 1
+            )
+            for i in chosen
+        ]
+        plan = slots.plan(ctl)
+        x = (rng.normal(size=(len(chosen), dim)) * 10).astype(np.float32)
+        got = host.step(np.array(plan.slots), x, np.array(plan.fresh))
+        want = dev.step(torch.tensor(plan.slots), torch.from_numpy(x.copy()), torch.tensor(plan.fresh))
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == np.float32
+            np.testing.assert_array_equal(to_host(g), to_host(w))
+        for i in chosen:
+            done[i] += 1
+        slots.finish(plan)
+    np.testing.assert_array_equal(host.mean, to_host(dev.mean))
+    np.testing.assert_array_equal(host.m2, to_host(dev.m2))
+
+
+def _state_in_fresh_interpreter(device: str) -> list[str]:
+    """Build RunningStatsModel for a ``device`` config in a new interpreter; report state class, torch loaded."""
+    config = {
+        "name": "m",
+        "max_batch_size": 8,
+        "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": ["4"]}],
+        "sequence_batching": {"oldest": {}},
+        "parameters": {"device": {"string_value": device}},
+    }
+    code = (
+        "import json, sys\n"
+        "import triton_npu_client.server as tk\n"
+        f"m = tk.RunningStatsModel({{'model_config': {json.dumps(json.dumps(config))}, "
+        "'model_instance_name': 'm_0_0'}, pb=None)\n"
+        "print(type(m.state).__name__, m.device_choice.kind, 'torch' in sys.modules, tk.accelerator_possible())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    return out.stdout.split()
+
+
+def test_cpu_instance_never_imports_torch() -> None:
+    """A device: cpu instance keeps its state in numpy and its interpreter never imports torch."""
+    assert _state_in_fresh_interpreter("cpu") == ["NumpyMoments", "cpu", "False", str(accelerator_possible())]
+
+
+def test_auto_instance_imports_torch_only_if_an_accelerator_may_exist() -> None:
+    """device: auto loads torch (RunningMoments) exactly when accelerator_possible() says an accelerator may exist."""
+    possible = accelerator_possible()
+    state, _kind, torch_loaded, _ = _state_in_fresh_interpreter("auto")
+    assert torch_loaded == str(possible)
+    assert state == ("RunningMoments" if possible else "NumpyMoments")
+
+
+def test_to_host_passes_numpy_through_and_copies_tensors() -> None:
+    """to_host returns a numpy array unchanged and a torch tensor as its numpy values."""
+    a = np.arange(3, dtype=np.float32)
+    assert to_host(a) is a
+    np.testing.assert_array_equal(to_host(torch.arange(3, dtype=torch.float32)), a)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
 """Server-side toolkit for Python-backend models inside Triton: sequence controls, state, device.
 
-Imports only the standard library, numpy and torch (never the client, tritonclient or
+Imports only the standard library and numpy (never the client, tritonclient or
 ``triton_python_backend_utils``), so model.py files, unit tests and ``bench/device_check.py`` can all
-use it. The one pb_utils-facing piece, :class:`RunningStatsModel`, takes that module as an argument.
+use it. torch is imported lazily, and only for an instance that may use an accelerator (see
+:func:`accelerator_possible`): a CPU instance runs on :class:`NumpyMoments` without it.
+The one pb_utils-facing piece, :class:`RunningStatsModel`, takes that module as an argument.
 """
 
 from ._config import SequenceBatching, model_parameter, parse_model_config
@@ -10,6 +12,7 @@ from ._controls import FLAG_END, FLAG_START, SequenceControls, read_controls
 from ._device import (
     Accelerators,
     DeviceChoice,
+    accelerator_possible,
     activate,
     choose_device,
     instance_index,
@@ -18,7 +21,7 @@ from ._device import (
     to_host,
 )
 from ._model import RunningStatsModel
-from ._state import BatchPlan, Refusal, RunningMoments, SequenceSlots
+from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
 
 __all__ = [
     "FLAG_END",
@@ -26,12 +29,14 @@ __all__ = [
     "Accelerators",
     "BatchPlan",
     "DeviceChoice",
+    "NumpyMoments",
     "Refusal",
     "RunningMoments",
     "RunningStatsModel",
     "SequenceBatching",
     "SequenceControls",
     "SequenceSlots",
+    "accelerator_possible",
     "activate",
     "choose_device",
     "instance_index",

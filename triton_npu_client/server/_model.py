@@ -10,6 +10,10 @@ A config with ``model_transaction_policy { decoupled: true }`` gets each answer 
 response sender, with the FINAL flag on the same response. That is the form that survives Triton 2.51's
 gRPC stream under load (see bench/repro_stream_crash/): for a non-decoupled model answered over a stream,
 the server frees a request twice, from the frontend and the backend, and crashes now and then.
+
+A CPU instance (``device: cpu``, or no accelerator possible here: :func:`accelerator_possible`) keeps its
+state in :class:`NumpyMoments` and never imports torch, which saves each stub seconds of load, about
+150 MiB and a slow shutdown; otherwise the state is :class:`RunningMoments` on the chosen device.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from numpy.typing import NDArray
 
 from ._config import SequenceBatching, model_parameter, parse_model_config
 from ._controls import SequenceControls, read_controls
 from ._device import (
+    Accelerators,
     DeviceChoice,
+    accelerator_possible,
     activate,
     choose_device,
     instance_index,
@@ -34,7 +39,7 @@ from ._device import (
     probe_accelerators,
     to_host,
 )
-from ._state import Clock, Refusal, RunningMoments, SequenceSlots
+from ._state import Clock, NumpyMoments, Refusal, RunningMoments, SequenceSlots
 
 __all__ = ["RunningStatsModel"]
 
@@ -60,17 +65,25 @@ class RunningStatsModel:
         self.dim = _input_dim(config, INPUT)
         capacity = int(model_parameter(config, "max_sequences") or DEFAULT_MAX_SEQUENCES)
         grace_us = int(model_parameter(config, "sweep_grace_us") or DEFAULT_SWEEP_GRACE_US)
+        force = model_parameter(config, "device")
+        # numpy on CPU when CPU is forced or no accelerator can exist: then torch is never imported.
+        host_only = (force or "").strip().lower() == "cpu" or not accelerator_possible()
         self.device_choice: DeviceChoice = choose_device(
-            available=probe_accelerators(),
+            available=Accelerators() if host_only else probe_accelerators(),
             instance=instance_index(args.get("model_instance_name", "")),
             device_ids=parse_device_ids(model_parameter(config, "device_ids")),
-            force=model_parameter(config, "device"),
+            force=force,
         )
-        self.device = activate(self.device_choice)
         self.slots = SequenceSlots(
             capacity=capacity, idle_timeout_s=self.batching.idle_timeout_s, grace_s=grace_us / 1e6, clock=clock
         )
-        self.state = RunningMoments(capacity=capacity, dim=self.dim, device=self.device)
+        self.state: NumpyMoments | RunningMoments
+        if host_only:
+            self.device: Any = "cpu"
+            self.state = NumpyMoments(capacity=capacity, dim=self.dim)
+        else:
+            self.device = activate(self.device_choice)
+            self.state = RunningMoments(capacity=capacity, dim=self.dim, device=self.device)
         self._control_names = tuple(self.batching.control_inputs.values())
         self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled", False))
         _log.info(
@@ -115,10 +128,8 @@ class RunningStatsModel:
         plan = self.slots.plan(controls)
         count = mean = var = None
         if plan.rows:
-            x_batch = torch.from_numpy(np.concatenate([inputs[r] for r in plan.rows]).astype(np.float32, copy=False))
-            slots = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
-            fresh = torch.tensor(plan.fresh, dtype=torch.bool, device=self.device)
-            c, m, v = self.state.step(slots, x_batch, fresh)
+            x_host = np.concatenate([inputs[r] for r in plan.rows]).astype(np.float32, copy=False)
+            c, m, v = self._step(x_host, plan.slots, plan.fresh)
             # One copy to host per output for the whole batch, then cheap numpy views per request.
             count, mean, var = to_host(c).astype(np.int64), to_host(m), to_host(v)
         self.slots.finish(plan)
@@ -153,6 +164,18 @@ class RunningStatsModel:
                 )
             )
         return responses
+
+    def _step(self, x: NDArray[np.float32], slots: Sequence[int], fresh: Sequence[bool]) -> tuple[Any, Any, Any]:
+        """One whole-batch state step, in numpy or in torch on the device, whichever state this instance has."""
+        if isinstance(self.state, NumpyMoments):
+            return self.state.step(np.asarray(slots, np.int64), x, np.asarray(fresh, np.bool_))
+        import torch  # already loaded: a RunningMoments state imported it
+
+        return self.state.step(
+            torch.tensor(slots, dtype=torch.int64, device=self.device),
+            torch.from_numpy(x),
+            torch.tensor(fresh, dtype=torch.bool, device=self.device),
+        )
 
 
 def _as_numpy(tensor: Any) -> NDArray[Any] | None:

@@ -3,6 +3,9 @@
 Triton tells a model about START and END but never about an idle timeout (the sequence batcher frees
 its own slot silently), so :class:`SequenceSlots` also sweeps sequences by age. The clock is injected:
 tests drive it without sleeping.
+
+Two interchangeable state classes: :class:`RunningMoments` (torch tensors on any device) and
+:class:`NumpyMoments` (host numpy arrays, for CPU instances: no torch import at all).
 """
 
 from __future__ import annotations
@@ -10,12 +13,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
+from numpy.typing import NDArray
 
 from ._controls import CorrelationId, SequenceControls
 
-__all__ = ["BatchPlan", "Refusal", "RunningMoments", "SequenceSlots"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BatchPlan", "NumpyMoments", "Refusal", "RunningMoments", "SequenceSlots"]
 
 Clock = Callable[[], float]
 
@@ -175,12 +183,14 @@ class RunningMoments:
     """
 
     def __init__(
-        self, *, capacity: int, dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+        self, *, capacity: int, dim: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
     ):
+        import torch  # here, not at module level: CPU instances use NumpyMoments and never load torch
+
         self.capacity = capacity
         self.dim = dim
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = torch.float32 if dtype is None else dtype
         self.count = torch.zeros(capacity, dtype=dtype, device=self.device)
         self.mean = torch.zeros(capacity, dim, dtype=dtype, device=self.device)
         self.m2 = torch.zeros(capacity, dim, dtype=dtype, device=self.device)
@@ -207,4 +217,48 @@ class RunningMoments:
         self.count.index_copy_(0, slots, count)
         self.mean.index_copy_(0, slots, mean)
         self.m2.index_copy_(0, slots, m2)
+        return count, mean, m2 / count[:, None]
+
+
+class NumpyMoments:
+    """:class:`RunningMoments` on the host in numpy: same state, same step, same float32 arithmetic.
+
+    What a CPU instance uses, so that its stub never imports torch. :meth:`step` takes and returns
+    numpy arrays; the operations and their order match :class:`RunningMoments` one for one.
+    """
+
+    device = "cpu"
+
+    def __init__(self, *, capacity: int, dim: int, dtype: type[np.floating[Any]] = np.float32):
+        self.capacity = capacity
+        self.dim = dim
+        self.dtype = np.dtype(dtype)
+        self.count = np.zeros(capacity, dtype=self.dtype)
+        self.mean = np.zeros((capacity, dim), dtype=self.dtype)
+        self.m2 = np.zeros((capacity, dim), dtype=self.dtype)
+
+    def __repr__(self) -> str:
+        return f"NumpyMoments(capacity={self.capacity}, dim={self.dim}, dtype={self.dtype})"
+
+    def step(
+        self, slots: NDArray[np.integer[Any]], x: NDArray[Any], fresh: NDArray[np.bool_]
+    ) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]:
+        """One step for every slot in ``slots`` (unique ints ``[k]``) with vectors ``x`` ``[k, dim]``.
+
+        ``fresh`` (bool ``[k]``) marks sequences that start here: their old state is ignored.
+        Returns new arrays ``(count [k], mean [k, dim], var [k, dim])``, never views of the state.
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        keep = (~np.asarray(fresh, dtype=np.bool_)).astype(self.dtype)
+        # Fancy indexing copies: the gathered rows are ours to update before the scatter back.
+        count = self.count[slots] * keep + self.dtype.type(1)
+        mean = self.mean[slots] * keep[:, None]
+        m2 = self.m2[slots] * keep[:, None]
+        x = np.asarray(x, dtype=self.dtype)
+        delta = x - mean
+        mean = mean + delta / count[:, None]
+        m2 = m2 + delta * (x - mean)
+        self.count[slots] = count
+        self.mean[slots] = mean
+        self.m2[slots] = m2
         return count, mean, m2 / count[:, None]

@@ -6,8 +6,8 @@ device (NPU, else CUDA, else CPU) and computes one batched step per execute.
 
 import triton_python_backend_utils as pb_utils
 
-# The package's __init__ loads the client lazily, so this import brings only the toolkit (numpy, torch),
-# not tritonclient/grpc, into the stub.
+# The package's __init__ loads the client lazily, so this import brings only the toolkit (numpy),
+# not tritonclient/grpc, into the stub (torch too only when an accelerator may exist).
 from triton_npu_client.server import RunningStatsModel
 
 
