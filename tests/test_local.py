@@ -69,8 +69,12 @@ def test_sync_start_stop_leaves_no_process(tmp_path: Path) -> None:
     with tnc.LocalTriton(tmp_path) as server:
         pids = server.processes()
         assert len(pids) >= 2, pids  # tritonserver + the echo stub
+        log = server.log_path
+        assert log is not None
+        assert log.is_file()
     assert server.processes() == []
     assert not server.is_running
+    assert not log.parent.exists()  # a clean stop leaves nothing in the temp directory
 
 
 async def test_async_start_cancelled_leaves_no_process(tmp_path: Path) -> None:
@@ -111,6 +115,9 @@ def test_model_load_failure_names_model(tmp_path: Path) -> None:
     assert "broken" in str(info.value)
     assert any("refuses to load" in line for line in info.value.log_lines)
     assert server.processes() == []
+    # The server exited on its own: its log stays for a post-mortem.
+    assert server.log_path is not None
+    assert "refuses to load" in server.log_path.read_text()
 
 
 def test_port_in_use(tmp_path: Path) -> None:

@@ -454,38 +454,45 @@ class LocalTriton:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGTERM)
 
-    def _finish(self) -> None:
-        """Kill whatever is left of the group, reap, and remove the working folder."""
+    def _finish(self, *, keep_log: bool) -> None:
+        """Kill whatever is left of the group, reap, and remove the working folder.
+
+        ``keep_log``: the server had exited on its own (crash, failed startup), so its log is what a
+        post-mortem needs; only the backend copy goes and ``log_path`` stays readable. Otherwise the whole
+        folder goes, so that a test run starting many servers leaves nothing in the temp directory.
+        """
         self._signal_group(signal.SIGKILL)
         if self._proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=5)
         _LIVE.discard(self)
         if self._workdir is not None:
-            # Keep the log for post-mortems only if the caller asked where it is; the folder is ours.
-            shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+            shutil.rmtree(self._workdir / "backends" if keep_log else self._workdir, ignore_errors=True)
+
+    def _exited_on_its_own(self) -> bool:
+        return self._proc is not None and self._proc.poll() is not None
 
     def stop(self) -> None:
         """SIGTERM, wait up to ``stop_grace_s``, then SIGKILL the whole group. Idempotent."""
-        if self._proc is None:
-            return
-        self._send_term()
-        deadline = time.monotonic() + self.stop_grace_s
-        while self._group_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self._finish()
+        keep_log = self._exited_on_its_own()
+        if self._proc is not None:
+            self._send_term()
+            deadline = time.monotonic() + self.stop_grace_s
+            while self._group_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self._finish(keep_log=keep_log)
 
     async def astop(self) -> None:
         """Async :meth:`stop`; if cancelled while waiting, it kills at once and re-raises."""
-        if self._proc is None:
-            return
-        self._send_term()
-        deadline = time.monotonic() + self.stop_grace_s
+        keep_log = self._exited_on_its_own()
         try:
-            while self._group_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            if self._proc is not None:
+                self._send_term()
+                deadline = time.monotonic() + self.stop_grace_s
+                while self._group_alive() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
         finally:
-            self._finish()
+            self._finish(keep_log=keep_log)
 
     # -- context managers -----------------------------------------------------------------
 

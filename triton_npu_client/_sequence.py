@@ -39,7 +39,7 @@ import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Self
+from typing import TYPE_CHECKING, Final, Self
 
 from ._errmap import sequence_error
 from ._exceptions import (
@@ -52,6 +52,7 @@ from ._exceptions import (
 )
 from ._options import USE_CLIENT_DEFAULT, UseClientDefault
 from ._request import InferRequest, InferResult, build_request
+from ._transport._grpc import GrpcTransport
 from ._transport._stream import StreamMultiplexer
 
 if TYPE_CHECKING:
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 __all__ = [
     "SequenceIdleWarning",
     "SequenceSession",
-    "multiplexer_for",
     "new_sequence_id",
     "open_sequence",
     "validate_sequence_id",
@@ -122,12 +122,6 @@ def validate_sequence_id(sequence_id: object, spec: ModelSpec) -> int | str:
     return sequence_id
 
 
-def multiplexer_for(transport: Any, *, streams: int = 1) -> StreamMultiplexer:
-    """The stream multiplexer of a gRPC transport (one per transport, made on first use, closed with it)."""
-    mux: StreamMultiplexer = transport.multiplexer(streams=streams)
-    return mux
-
-
 def open_sequence(
     model: Model,
     *,
@@ -150,7 +144,7 @@ def open_sequence(
     transport = model.client.transport
     if stream is None:
         stream = model.spec.decoupled
-    if stream and transport.protocol != "grpc":
+    if stream and not isinstance(transport, GrpcTransport):
         raise SequenceUsageError(
             f"model {model.name!r}: stream=True needs a gRPC client; this one speaks {transport.protocol}",
             model=model.name,
@@ -163,7 +157,7 @@ def open_sequence(
         )
     return SequenceSession(
         model,
-        multiplexer=multiplexer_for(transport) if stream else None,
+        multiplexer=transport.multiplexer() if isinstance(transport, GrpcTransport) and stream else None,
         sequence_id=sequence_id,
         timeout_s=model.client.config.timeout_s if isinstance(timeout_s, UseClientDefault) else timeout_s,
         end_timeout_s=end_timeout_s,
