@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc._utils import _get_inference_request
 
 from triton_npu_client import ModelSpec
-from triton_npu_client._request import build_request
+from triton_npu_client._model import build_request
 
 CONFIG = {
     "name": "seq_stats_oldest",

@@ -26,7 +26,15 @@ import attrs
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 
-from triton_npu_client import PerfAnalyzer, PerfAnalyzerError, arun_perf_analyzer, ensure_perf_analyzer
+# The repository root, for tools/ (dev tooling that is not part of the installed package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.perf_analyzer import (
+    PerfAnalyzer,
+    PerfAnalyzerError,
+    arun_perf_analyzer,
+    ensure_perf_analyzer,
+)
 
 PLAIN = "tritonclient.grpc.aio loop"
 PERF_ANALYZER = "perf_analyzer (C++)"

@@ -40,7 +40,8 @@ from common import (
     write_json,
 )
 
-from triton_npu_client import Client, LocalTriton, Model, PerfAnalyzer, PerfAnalyzerError
+from tools.perf_analyzer import PerfAnalyzer, PerfAnalyzerError
+from triton_npu_client import Client, LocalTriton, Model
 
 STEP = np.arange(4, dtype=np.float32).reshape(1, 4)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from triton_npu_client import Client, ClientClosedError, Coalescing, InferResult, LocalTriton, Model
-from triton_npu_client._coalesce import merge, split
-from triton_npu_client._spec import ModelSpec
+from triton_npu_client._call._coalesce import merge, split
+from triton_npu_client._model import ModelSpec
 
 MODEL = "scale_fp32"
 

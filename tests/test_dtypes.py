@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from triton_npu_client import InputDtypeError
-from triton_npu_client._dtypes import (
+from triton_npu_client._wire._dtypes import (
     TRITON_DTYPES,
     coerce,
     config_to_triton,

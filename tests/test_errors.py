@@ -17,7 +17,7 @@ from triton_npu_client import (
     SequenceLost,
     ServerUnavailable,
 )
-from triton_npu_client._errmap import map_error, map_stream_error, sequence_error
+from triton_npu_client._errors._classify import map_error, map_stream_error, sequence_error
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from triton_npu_client import InferResult
-from triton_npu_client._dtypes import to_wire
+from triton_npu_client._wire._dtypes import to_wire
 
 
 def _response() -> service_pb2.ModelInferResponse:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import triton_npu_client as tnc
-from triton_npu_client import _local, cli
+from triton_npu_client import cli
+from triton_npu_client._local import _server as _local
 
 
 def _write_model(repo: Path, name: str, body: str) -> None:

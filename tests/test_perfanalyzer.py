@@ -7,15 +7,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from triton_npu_client import (
-    LocalTriton,
+from tools.perf_analyzer import (
     PerfAnalyzer,
     PerfAnalyzerError,
     arun_perf_analyzer,
     ensure_perf_analyzer,
+    parse_report,
     run_perf_analyzer,
 )
-from triton_npu_client._perfanalyzer import parse_report
+from triton_npu_client import LocalTriton
 
 
 @pytest.fixture(scope="module")

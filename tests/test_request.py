@@ -18,8 +18,8 @@ from triton_npu_client import (
     UnknownInputError,
     UsageError,
 )
-from triton_npu_client._dtypes import to_wire
-from triton_npu_client._request import build_request
+from triton_npu_client._model import build_request
+from triton_npu_client._wire._dtypes import to_wire
 
 SPEC = ModelSpec(
     name="m",

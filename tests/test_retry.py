@@ -16,7 +16,7 @@ from triton_npu_client import (
     ServerUnavailable,
     TritonError,
 )
-from triton_npu_client._retry import is_retriable, run_with_retry
+from triton_npu_client._call._retry import is_retriable, run_with_retry
 
 
 @given(

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from triton_npu_client import LocalTriton, SequenceClosedError, SequenceUsageError
-from triton_npu_client._client import Client
-from triton_npu_client._model import Model
-from triton_npu_client._sequence import MAX_INT_ID, new_sequence_id, open_sequence, validate_sequence_id
+from triton_npu_client._client import Client, Model
+from triton_npu_client._sessions._sequence import MAX_INT_ID, new_sequence_id, open_sequence, validate_sequence_id
 
 # (client protocol, stream): the three ways a step can travel.
 WAYS = [("grpc", True), ("grpc", False), ("http", False)]

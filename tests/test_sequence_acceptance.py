@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from triton_npu_client import LocalTriton, SequenceIdleWarning, SequenceLost, default_model_repository
-from triton_npu_client._client import Client
-from triton_npu_client._model import Model
-from triton_npu_client._sequence import open_sequence
+from triton_npu_client._client import Client, Model
+from triton_npu_client._sessions import open_sequence
 
 pytestmark = pytest.mark.slow
 

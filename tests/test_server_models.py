@@ -19,7 +19,8 @@ import pytest
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from triton_npu_client import LocalTriton, default_model_repository, ensure_perf_analyzer, run_perf_analyzer
+from tools.perf_analyzer import ensure_perf_analyzer, run_perf_analyzer
+from triton_npu_client import LocalTriton, default_model_repository
 
 MODELS = ["seq_stats_oldest", "seq_stats_direct", "seq_stats_string"]
 DIM = 4

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from triton_npu_client import LocalTriton
-from triton_npu_client._stubs import generate_stubs
 from triton_npu_client.cli import main
+from triton_npu_client.cli._stubs import generate_stubs
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -6,7 +6,7 @@ an underscore are private.
 
 import typing as _typing
 
-from ._exceptions import (
+from ._errors import (
     BatchSizeError,
     ClientClosedError,
     ConnectError,
@@ -21,8 +21,6 @@ from ._exceptions import (
     ModelLoadError,
     ModelNotFoundError,
     ModelNotReadyError,
-    PerfAnalyzerError,
-    PerfAnalyzerUnavailable,
     PermissionDeniedError,
     PortInUseError,
     RequestTimeout,
@@ -46,15 +44,18 @@ from ._version import (
 )
 
 if _typing.TYPE_CHECKING:
+    from ._call import (
+        USE_CLIENT_DEFAULT,
+        Coalescing,
+        RetryPolicy,
+    )
     from ._client import (
         Client,
         ClientConfig,
+        Model,
         ModelStatistics,
         RepositoryModel,
         ServerMetadata,
-    )
-    from ._coalesce import (
-        Coalescing,
     )
     from ._local import (
         LocalTriton,
@@ -62,36 +63,22 @@ if _typing.TYPE_CHECKING:
         find_tritonserver,
     )
     from ._model import (
-        Model,
-    )
-    from ._options import (
-        USE_CLIENT_DEFAULT,
-        TLSConfig,
-    )
-    from ._perfanalyzer import (
-        PerfAnalyzer,
-        PerfResult,
-        arun_perf_analyzer,
-        ensure_perf_analyzer,
-        run_perf_analyzer,
-    )
-    from ._request import (
-        InferRequest,
-        InferResult,
-    )
-    from ._retry import (
-        RetryPolicy,
-    )
-    from ._sequence import (
-        SequenceIdleWarning,
-        SequenceSession,
-        open_sequence,
-    )
-    from ._spec import (
         ControlInput,
         ModelSpec,
         SequenceSpec,
         TensorSpec,
+    )
+    from ._sessions import (
+        SequenceIdleWarning,
+        SequenceSession,
+        open_sequence,
+    )
+    from ._transport import (
+        TLSConfig,
+    )
+    from ._wire import (
+        InferRequest,
+        InferResult,
     )
 
 # Everything else loads on first use (PEP 562), so that `import triton_npu_client.server` inside a
@@ -103,28 +90,23 @@ _LAZY: dict[str, str] = {
     "ModelStatistics": "._client",
     "RepositoryModel": "._client",
     "ServerMetadata": "._client",
-    "Coalescing": "._coalesce",
+    "Coalescing": "._call",
     "LocalTriton": "._local",
     "default_model_repository": "._local",
     "find_tritonserver": "._local",
-    "Model": "._model",
-    "USE_CLIENT_DEFAULT": "._options",
-    "TLSConfig": "._options",
-    "PerfAnalyzer": "._perfanalyzer",
-    "PerfResult": "._perfanalyzer",
-    "arun_perf_analyzer": "._perfanalyzer",
-    "ensure_perf_analyzer": "._perfanalyzer",
-    "run_perf_analyzer": "._perfanalyzer",
-    "InferRequest": "._request",
-    "InferResult": "._request",
-    "RetryPolicy": "._retry",
-    "SequenceIdleWarning": "._sequence",
-    "SequenceSession": "._sequence",
-    "open_sequence": "._sequence",
-    "ControlInput": "._spec",
-    "ModelSpec": "._spec",
-    "SequenceSpec": "._spec",
-    "TensorSpec": "._spec",
+    "Model": "._client",
+    "USE_CLIENT_DEFAULT": "._call",
+    "TLSConfig": "._transport",
+    "InferRequest": "._wire",
+    "InferResult": "._wire",
+    "RetryPolicy": "._call",
+    "SequenceIdleWarning": "._sessions",
+    "SequenceSession": "._sessions",
+    "open_sequence": "._sessions",
+    "ControlInput": "._model",
+    "ModelSpec": "._model",
+    "SequenceSpec": "._model",
+    "TensorSpec": "._model",
 }
 
 
@@ -168,10 +150,6 @@ __all__ = [
     "ModelNotReadyError",
     "ModelSpec",
     "ModelStatistics",
-    "PerfAnalyzer",
-    "PerfAnalyzerError",
-    "PerfAnalyzerUnavailable",
-    "PerfResult",
     "PermissionDeniedError",
     "PortInUseError",
     "RepositoryModel",
@@ -199,10 +177,7 @@ __all__ = [
     "UnknownOutputError",
     "UsageError",
     "__version__",
-    "arun_perf_analyzer",
     "default_model_repository",
-    "ensure_perf_analyzer",
     "find_tritonserver",
     "open_sequence",
-    "run_perf_analyzer",
 ]

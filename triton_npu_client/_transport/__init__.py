@@ -3,5 +3,6 @@
 from ._base import Transport
 from ._grpc import GrpcTransport
 from ._http import HttpTransport
+from ._options import TLSConfig
 
-__all__ = ["GrpcTransport", "HttpTransport", "Transport"]
+__all__ = ["GrpcTransport", "HttpTransport", "TLSConfig", "Transport"]

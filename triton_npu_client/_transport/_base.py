@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .._request import InferRequest, InferResult
+from .._wire import InferRequest, InferResult
 
 __all__ = ["Transport", "server_timeout_us"]
 

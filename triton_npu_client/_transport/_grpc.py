@@ -16,11 +16,11 @@ import grpc
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from .._errmap import map_error
-from .._exceptions import ConnectError, ServerUnavailable
-from .._options import TLSConfig
-from .._request import InferRequest, InferResult
+from .._errors import ConnectError, ServerUnavailable
+from .._errors._classify import map_error
+from .._wire import InferRequest, InferResult
 from ._base import Json, server_timeout_us
+from ._options import TLSConfig
 from ._stream import StreamMultiplexer
 
 __all__ = ["DEFAULT_CHANNEL_OPTIONS", "GrpcTransport"]

@@ -16,10 +16,10 @@ from typing import Any, Final
 
 import tritonclient.http.aio as httpclient
 
-from .._errmap import map_error
-from .._options import TLSConfig
-from .._request import InferRequest, InferResult
+from .._errors._classify import map_error
+from .._wire import InferRequest, InferResult
 from ._base import Json, server_timeout_us
+from ._options import TLSConfig
 
 __all__ = ["HttpTransport"]
 

@@ -35,8 +35,8 @@ from typing import Any, Final, Self
 import grpc
 from tritonclient.grpc import service_pb2
 
-from .._errmap import map_error, map_stream_error
-from .._exceptions import ClientClosedError, ConnectError, RequestTimeout, TritonError
+from .._errors import ClientClosedError, ConnectError, RequestTimeout, TritonError
+from .._errors._classify import map_error, map_stream_error
 
 __all__ = ["ResponseStream", "StreamMultiplexer"]
 

@@ -28,7 +28,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from ._exceptions import InputDtypeError
+from .._errors import InputDtypeError
 
 __all__ = [
     "TRITON_DTYPES",

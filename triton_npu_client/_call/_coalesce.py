@@ -34,8 +34,8 @@ from typing import Final
 import attrs
 import numpy as np
 
-from ._exceptions import ClientClosedError
-from ._request import EncodedInput, InferRequest, InferResult
+from .._errors import ClientClosedError
+from .._wire import EncodedInput, InferRequest, InferResult
 
 __all__ = ["Coalescer", "Coalescing"]
 

@@ -41,8 +41,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self
 
-from ._errmap import sequence_error
-from ._exceptions import (
+from .._call._defaults import USE_CLIENT_DEFAULT, UseClientDefault
+from .._errors import (
     RequestTimeout,
     SequenceClosedError,
     SequenceLost,
@@ -50,14 +50,15 @@ from ._exceptions import (
     TransportError,
     TritonError,
 )
-from ._options import USE_CLIENT_DEFAULT, UseClientDefault
-from ._request import InferRequest, InferResult, build_request
-from ._transport._grpc import GrpcTransport
-from ._transport._stream import StreamMultiplexer
+from .._errors._classify import sequence_error
+from .._model import build_request
+from .._transport._grpc import GrpcTransport
+from .._transport._stream import StreamMultiplexer
+from .._wire import InferRequest, InferResult
 
 if TYPE_CHECKING:
-    from ._model import Model
-    from ._spec import ModelSpec
+    from .._client._model import Model
+    from .._model import ModelSpec
 
 __all__ = [
     "SequenceIdleWarning",

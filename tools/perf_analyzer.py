@@ -6,7 +6,8 @@ binary at ``tritonclient-2.34.0.data/data/bin/perf_analyzer``. It links ``libb64
 ``nvidia_pytriton.libs/``, so symlinks with the sonames in the cache folder plus ``LD_LIBRARY_PATH`` are
 all it needs. ``$PERF_ANALYZER`` names an existing binary instead (e.g. the one in Triton's SDK image).
 
-Used by the benchmarks in ``bench/`` and by tests that load the real server.
+Dev tooling, not part of the installed package: used by the benchmarks in ``bench/`` and by tests that load
+the real server (both put the repository root on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -31,10 +32,17 @@ from pathlib import Path
 
 import attrs
 
-from ._exceptions import PerfAnalyzerError, PerfAnalyzerUnavailable
-from ._local import _bundled_root
+from triton_npu_client._local._server import _bundled_root
 
-__all__ = ["PerfAnalyzer", "PerfResult", "arun_perf_analyzer", "ensure_perf_analyzer", "run_perf_analyzer"]
+__all__ = [
+    "PerfAnalyzer",
+    "PerfAnalyzerError",
+    "PerfAnalyzerUnavailable",
+    "PerfResult",
+    "arun_perf_analyzer",
+    "ensure_perf_analyzer",
+    "run_perf_analyzer",
+]
 
 _log = logging.getLogger("triton_npu_client.perfanalyzer")
 
@@ -46,6 +54,22 @@ _MEMBER = f"tritonclient-{TRITONCLIENT_VERSION}.data/data/bin/perf_analyzer"
 _LIBS = {"libb64.so.0d": "libb64-*.so.0d", "libcudart.so.12": "libcudart-*.so.12*"}
 _THREAD_ERROR = re.compile(r"^Thread \[\d+\] had error", re.MULTILINE)
 _SERVER_COUNT = re.compile(r"^\s*(Inference count|Execution count):\s*(\d+)", re.MULTILINE)
+
+
+class PerfAnalyzerError(RuntimeError):
+    """``perf_analyzer`` failed, erred on requests, or ran too long.
+
+    ``output`` holds its console output; ``errors`` counts the request errors it reported.
+    """
+
+    def __init__(self, message: str, *, output: str = "", errors: int = 0) -> None:
+        super().__init__(message)
+        self.output = output
+        self.errors = errors
+
+
+class PerfAnalyzerUnavailable(PerfAnalyzerError):
+    """``perf_analyzer`` cannot be provided on this machine (no download, not x86_64 Linux, libraries missing)."""
 
 
 def default_cache_dir() -> Path:

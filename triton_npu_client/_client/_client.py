@@ -12,8 +12,10 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from ._coalesce import Coalescer, Coalescing
-from ._exceptions import (
+from .._call._coalesce import Coalescer, Coalescing
+from .._call._defaults import USE_CLIENT_DEFAULT, UseClientDefault
+from .._call._retry import NO_RETRY, RetryPolicy, run_with_retry
+from .._errors import (
     ClientClosedError,
     ConnectError,
     ModelNotReadyError,
@@ -21,15 +23,13 @@ from ._exceptions import (
     ServerUnavailable,
     UsageError,
 )
+from .._model import ModelSpec
+from .._transport import GrpcTransport, HttpTransport, TLSConfig, Transport
+from .._wire import InferRequest, InferResult
 from ._model import Model
-from ._options import USE_CLIENT_DEFAULT, TLSConfig, UseClientDefault
-from ._request import InferRequest, InferResult
-from ._retry import NO_RETRY, RetryPolicy, run_with_retry
-from ._spec import ModelSpec
-from ._transport import GrpcTransport, HttpTransport, Transport
 
 if TYPE_CHECKING:
-    from ._sequence import SequenceSession
+    from .._sessions import SequenceSession
 
 __all__ = ["Client", "ClientConfig", "ModelStatistics", "RepositoryModel", "ServerMetadata"]
 

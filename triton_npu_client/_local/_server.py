@@ -39,7 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from ._exceptions import (
+from .._errors import (
     LocalServerError,
     ModelLoadError,
     PortInUseError,
@@ -69,7 +69,7 @@ _LIVE: weakref.WeakSet[LocalTriton] = weakref.WeakSet()
 
 def default_model_repository() -> Path:
     """The project's ``server_models/`` (next to the package in a source checkout)."""
-    return Path(__file__).resolve().parent.parent / "server_models"
+    return Path(__file__).resolve().parents[2] / "server_models"
 
 
 def _bundled_root() -> tuple[Path, Path] | None:

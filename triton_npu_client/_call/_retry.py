@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import attrs
 
-from ._exceptions import ConnectError, ServerUnavailable, TritonError
+from .._errors import ConnectError, ServerUnavailable, TritonError
 
 __all__ = ["NO_RETRY", "RetryPolicy", "is_retriable", "run_with_retry"]
 

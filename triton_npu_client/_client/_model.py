@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._exceptions import UsageError
-from ._options import USE_CLIENT_DEFAULT, UseClientDefault
-from ._request import InferRequest, InferResult, InputsArg, build_request
-from ._spec import ModelSpec
+from .._call._defaults import USE_CLIENT_DEFAULT, UseClientDefault
+from .._errors import UsageError
+from .._model import InputsArg, ModelSpec, build_request
+from .._wire import InferRequest, InferResult
 
 if TYPE_CHECKING:
+    from .._sessions import SequenceSession
     from ._client import Client
-    from ._sequence import SequenceSession
 
 __all__ = ["Model"]
 
@@ -154,6 +154,6 @@ class Model:
         ``timeout_s``, ...). No I/O until the first step.
         """
         # Imported here because the session layer sits above the model layer and imports it.
-        from ._sequence import open_sequence
+        from .._sessions import open_sequence
 
         return open_sequence(self, **options)

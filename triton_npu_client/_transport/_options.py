@@ -1,28 +1,14 @@
-"""Client configuration values: TLS material and the "use the client's default" sentinel."""
+"""TLS material for ``grpcs://`` and ``https://`` connections."""
 
 from __future__ import annotations
 
-import enum
 import os
 import ssl
 from pathlib import Path
-from typing import Final
 
 import attrs
 
-__all__ = ["USE_CLIENT_DEFAULT", "TLSConfig", "UseClientDefault"]
-
-
-class UseClientDefault(enum.Enum):
-    """Sentinel type: "not given, use the client's default" (``None`` means "no limit")."""
-
-    USE_CLIENT_DEFAULT = "USE_CLIENT_DEFAULT"
-
-    def __repr__(self) -> str:
-        return "USE_CLIENT_DEFAULT"
-
-
-USE_CLIENT_DEFAULT: Final = UseClientDefault.USE_CLIENT_DEFAULT
+__all__ = ["TLSConfig"]
 
 
 def _read(path: str | os.PathLike[str] | None) -> bytes | None:

@@ -24,7 +24,7 @@ import attrs
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ._exceptions import UsageError
+from .._errors import UsageError
 
 __all__ = ["ModelStub", "TensorStub", "generate_stubs", "read_repository", "render_module"]
 

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
 
-from ._exceptions import TritonError
-from ._local import LocalTriton
+from .._errors import TritonError
+from .._local import LocalTriton
 
 __all__ = ["main"]
 

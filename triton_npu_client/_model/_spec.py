@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ._dtypes import config_to_triton
+from .._wire import config_to_triton
 
 __all__ = ["ControlInput", "ModelSpec", "SequenceSpec", "TensorSpec"]
 

@@ -27,17 +27,15 @@
     │   ├── ClientClosedError               (also RuntimeError)
     │   ├── SequenceClosedError             (also RuntimeError): a step after END
     │   └── SequenceUsageError              (also ValueError): not a stateful model, or a bad sequence id
-    ├── LocalServerError                starting a local tritonserver failed
-    │   ├── ServerBinaryNotFound            (also FileNotFoundError)
-    │   ├── StubNotFound                    no Python-backend stub for this Python
-    │   ├── PortInUseError                  (also OSError)
-    │   ├── ModelLoadError                  a model in the repository failed to load
-    │   └── ServerStartTimeout              (also TimeoutError)
-    └── PerfAnalyzerError               running perf_analyzer (the C++ load generator) failed or erred
-        └── PerfAnalyzerUnavailable         it cannot be provided here (no download, wrong platform)
+    └── LocalServerError                starting a local tritonserver failed
+        ├── ServerBinaryNotFound            (also FileNotFoundError)
+        ├── StubNotFound                    no Python-backend stub for this Python
+        ├── PortInUseError                  (also OSError)
+        ├── ModelLoadError                  a model in the repository failed to load
+        └── ServerStartTimeout              (also TimeoutError)
 
 Mapping from ``tritonclient`` / gRPC / HTTP errors happens in exactly one place,
-:func:`triton_npu_client._errmap.map_error`, by type and status code, never by message text.
+:mod:`triton_npu_client._errors._classify`, by type and status code, never by message text.
 """
 
 from __future__ import annotations
@@ -59,8 +57,6 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "ModelNotReadyError",
-    "PerfAnalyzerError",
-    "PerfAnalyzerUnavailable",
     "PermissionDeniedError",
     "PortInUseError",
     "RequestTimeout",
@@ -288,19 +284,3 @@ class ServerStartTimeout(LocalServerError, TimeoutError):
 
 
 # --- the perf_analyzer load generator -------------------------------------------------
-
-
-class PerfAnalyzerError(TritonError):
-    """``perf_analyzer`` failed, erred on requests, or ran too long.
-
-    ``output`` holds its console output; ``errors`` counts the request errors it reported.
-    """
-
-    def __init__(self, message: str, *, output: str = "", errors: int = 0) -> None:
-        super().__init__(message)
-        self.output = output
-        self.errors = errors
-
-
-class PerfAnalyzerUnavailable(PerfAnalyzerError):
-    """``perf_analyzer`` cannot be provided on this machine (no download, not x86_64 Linux, libraries missing)."""

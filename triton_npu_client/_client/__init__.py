@@ -1,0 +1,6 @@
+"""The client: URL -> transport, lifecycle, admin calls, and model handles."""
+
+from ._client import Client, ClientConfig, ModelStatistics, RepositoryModel, ServerMetadata
+from ._model import Model
+
+__all__ = ["Client", "ClientConfig", "Model", "ModelStatistics", "RepositoryModel", "ServerMetadata"]

@@ -1,0 +1,7 @@
+"""The wire form shared by every layer above: dtypes and their codecs, encoded requests, lazily decoded results."""
+
+from ._dtypes import coerce, config_to_triton, from_wire, to_wire
+from ._request import EncodedInput, InferRequest
+from ._result import InferResult
+
+__all__ = ["EncodedInput", "InferRequest", "InferResult", "coerce", "config_to_triton", "from_wire", "to_wire"]
