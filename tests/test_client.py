@@ -21,7 +21,6 @@ from triton_npu_client import (
     ConnectError,
     DuplicateInputError,
     InferRequest,
-    InferResult,
     InputDtypeError,
     InputError,
     InputShapeError,
@@ -33,7 +32,6 @@ from triton_npu_client import (
     RequestTimeout,
     RetryPolicy,
     SequenceSpec,
-    ServerUnavailable,
     TLSConfig,
     UnknownInputError,
     UnknownOutputError,
@@ -51,9 +49,9 @@ class CountingTransport:
         self.inner = inner
         self.infer_calls = 0
 
-    async def infer(self, request: InferRequest, **kw: Any) -> InferResult:
+    def call(self, request: InferRequest, **kw: Any) -> Any:
         self.infer_calls += 1
-        return await self.inner.infer(request, **kw)
+        return self.inner.call(request, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -346,12 +344,15 @@ async def test_tls_and_headers(tmp_path: Path) -> None:
         async with Client(url, tls=tls, headers={"triton-grpc-protocol-x-api-key": "s3cret"}) as ok:
             model = await ok.model("scale_fp32")
             assert (await model.infer(INPUT0=[2.0]))["OUTPUT0"].tolist() == [[4.0]]
-        async with Client(url, tls=tls, retry=RetryPolicy(max_attempts=1)) as no_key:
-            model = await no_key.model("scale_fp32")  # model config is not a restricted API here
-            # Triton answers a missing key with UNAVAILABLE over gRPC (see TRITON_FACTS.md).
-            with pytest.raises(ServerUnavailable) as refused:
+        async with Client(url, tls=tls, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01)) as no_key:
+            counting = CountingTransport(no_key.transport)
+            counted = Client(url, transport=counting, retry=no_key.config.retry)  # type: ignore[arg-type]
+            model = await counted.model("scale_fp32")  # model config is not a restricted API here
+            # Triton answers a missing key with UNAVAILABLE over gRPC: a refusal that will not change.
+            with pytest.raises(PermissionDeniedError) as refused:
                 await model.infer(INPUT0=[2.0])
             assert refused.value.status == "UNAVAILABLE"
+            assert counting.infer_calls == 1  # not retried
         async with Client(server.http_url, headers={"x-api-key": "s3cret"}) as ok_http:
             model = await ok_http.model("scale_fp32")
             assert (await model.infer(INPUT0=[3.0]))["OUTPUT0"].tolist() == [[6.0]]
@@ -419,3 +420,18 @@ async def test_url_schemes() -> None:
     for url, target in (("grpc://example.org", "example.org:8001"), ("http://example.org", "example.org:8000")):
         async with Client(url) as c:
             assert c.config.target() == target
+
+
+async def test_with_options_keeps_headers_and_shares_the_connection() -> None:
+    """with_options() on a client made with headers copies it (the frozen headers are pairs, not a dict)."""
+    async with Client("grpc://127.0.0.1:1", headers={"x-api-key": "k"}) as client:
+        copy = client.with_options(timeout_s=2)
+        assert copy.config.headers == (("x-api-key", "k"),)
+        assert copy.config.timeout_s == 2
+        assert copy.transport is client.transport
+        other = client.with_options(headers={"x-api-key": "other"})
+        try:
+            assert other.transport is not client.transport
+            assert other.config.headers == (("x-api-key", "other"),)
+        finally:
+            await other.aclose()

@@ -13,11 +13,13 @@ from triton_npu_client import (
     ModelNotFoundError,
     PermissionDeniedError,
     RequestTimeout,
+    SequenceCapacityError,
     SequenceError,
     SequenceLost,
     ServerUnavailable,
+    TritonError,
 )
-from triton_npu_client._errors._classify import map_error, map_stream_error, sequence_error
+from triton_npu_client._errors._classify import judge_step, map_error, map_stream_error
 
 
 @pytest.mark.parametrize(
@@ -74,38 +76,91 @@ def test_grpc_rpc_error_by_code() -> None:
     assert err.status == "RESOURCE_EXHAUSTED"
 
 
+UNKNOWN = "[triton-npu:sequence-unknown] sequence 7 is not held by this instance"
+CAPACITY = "[triton-npu:capacity] model m holds 4096 live sequences"
+
+
 @pytest.mark.parametrize(
-    ("message", "seq", "cls"),
+    ("message", "cls"),
     [
-        (
-            "inference request for sequence 7 to model 'm' must specify the START flag on the first request",
-            7,
-            SequenceLost,
-        ),
-        ("Failed to process the request(s) for model 'm', message: Stub process is not healthy.", "abc", SequenceLost),
-        ("inference request to model 'm' must specify a non-zero or non-empty correlation ID", 0, SequenceError),
-        ("unexpected shape for input 'INPUT0' for model 'm'", 5, InvalidArgumentError),
-        ("Stub process is not healthy.", None, InternalServerError),
-        ("something else", 5, InternalServerError),
+        ("inference request for sequence 7 to model 'm' must specify the START flag on the first", SequenceError),
+        ("Failed to process the request(s) for model 'm', message: Stub process is not healthy.", InternalServerError),
+        ("inference request to model 'm' must specify a non-zero or non-empty correlation ID", SequenceError),
+        ("unexpected shape for input 'INPUT0' for model 'm'", InvalidArgumentError),
+        (UNKNOWN, SequenceError),
+        (CAPACITY, SequenceCapacityError),
+        ("Request for unknown model: 'm' is not found", ModelNotFoundError),
+        ("something else", InternalServerError),
     ],
 )
-def test_stream_errors_by_text(message: str, seq: int | str | None, cls: type[Exception]) -> None:
-    """Stream error strings classify by Triton's own phrases; SequenceLost carries id and steps."""
-    err = map_stream_error(message, model="m", request_id="r", sequence_id=seq, steps_acknowledged=3)
+def test_stream_errors_by_text(message: str, cls: type[Exception]) -> None:
+    """Stream error strings (no status code) classify by Triton's phrases and the toolkit's markers."""
+    err = map_stream_error(message, model="m", request_id="r", sequence_id=5)
     assert type(err) is cls
-    assert err.model == "m"
-    if isinstance(err, SequenceLost):
-        assert err.sequence_id == seq
-        assert err.steps_acknowledged == 3
+    assert (err.model, err.sequence_id) == ("m", 5)
 
 
-def test_sequence_error_upgrades_server_loss_but_not_timeouts() -> None:
-    """A non-START step's INVALID_ARGUMENT / NOT_FOUND / UNAVAILABLE becomes SequenceLost; a timeout stays."""
-    for status in ("StatusCode.INVALID_ARGUMENT", "StatusCode.NOT_FOUND", "StatusCode.UNAVAILABLE"):
+def _over(path: str, message: str, status: str) -> TritonError:
+    """The error one failure gives over each path: the stream (text only), unary gRPC and HTTP (text + status)."""
+    if path == "stream":
+        return map_stream_error(message, model="m", sequence_id=9)
+    return map_error(InferenceServerException(message, status=status), model="m", sequence_id=9)
+
+
+PATHS = [("stream", ""), ("grpc", "StatusCode.INVALID_ARGUMENT"), ("http", "400")]
+
+
+@pytest.mark.parametrize(("path", "status"), PATHS)
+@pytest.mark.parametrize(
+    ("message", "lost", "send_end"),
+    [
+        ("inference request for sequence 9 to model 'm' must specify the START flag on the first request", True, False),
+        (UNKNOWN, True, True),
+        ("Failed to process the request(s) for model 'm', message: Stub process is not healthy.", True, False),
+        ("Failed to process the request(s) for model 'm', message: ZeroDivisionError: division by zero", False, True),
+        ("unexpected shape for input 'X' for model 'm'", False, True),
+    ],
+)
+def test_step_judged_the_same_on_every_path(path: str, status: str, message: str, lost: bool, send_end: bool) -> None:
+    """One judge: the same failure of step 2+ means the same over the stream, unary gRPC and HTTP."""
+    if "Stub" in message or "ZeroDivision" in message:
+        status = {"grpc": "StatusCode.INTERNAL", "http": "500"}.get(path, status)
+    verdict = judge_step(_over(path, message, status), sequence_id=9, start=False, acknowledged=4)
+    assert (verdict.lost, verdict.send_end) == (lost, send_end)
+    assert isinstance(verdict.error, SequenceLost) == lost
+    if lost:
+        assert isinstance(verdict.error, SequenceLost)
+        assert (verdict.error.sequence_id, verdict.error.steps_acknowledged) == (9, 4)
+
+
+def test_model_exception_is_not_a_loss() -> None:
+    """An INTERNAL from a model exception on step 2+ is that step's error: not lost, END still sent."""
+    err = map_error(InferenceServerException("model raised: boom", status="StatusCode.INTERNAL"), model="m")
+    verdict = judge_step(err, sequence_id=3, start=False, acknowledged=2)
+    assert verdict.error is err
+    assert not verdict.lost
+    assert verdict.send_end
+
+
+def test_capacity_refusal_same_type_everywhere_and_not_a_loss() -> None:
+    """The toolkit's capacity refusal is one type over every path; a START refused that way needs no END."""
+    for path, status in [("stream", ""), ("grpc", "StatusCode.UNAVAILABLE"), ("http", "503")]:
+        err = _over(path, CAPACITY, status)
+        assert type(err) is SequenceCapacityError
+        verdict = judge_step(err, sequence_id=3, start=True, acknowledged=0)
+        assert (verdict.lost, verdict.send_end, verdict.error) == (False, False, err)
+
+
+def test_loss_signals_but_not_timeouts_become_sequence_lost() -> None:
+    """Model gone (NOT_FOUND) and connection failures on step 2+ are losses; a timeout stays the step's error."""
+    for status in ("StatusCode.NOT_FOUND", "StatusCode.UNAVAILABLE"):
         base = map_error(InferenceServerException("x", status=status), model="m")
-        up = sequence_error(base, sequence_id=9, steps_acknowledged=4)
-        assert isinstance(up, SequenceLost)
-        assert (up.sequence_id, up.steps_acknowledged, up.model) == (9, 4, "m")
-        assert up.__cause__ is base
+        verdict = judge_step(base, sequence_id=9, start=False, acknowledged=4)
+        assert isinstance(verdict.error, SequenceLost)
+        assert (verdict.error.sequence_id, verdict.error.steps_acknowledged, verdict.error.model) == (9, 4, "m")
+        assert verdict.error.__cause__ is base
     timeout = map_error(TimeoutError())
-    assert sequence_error(timeout, sequence_id=9, steps_acknowledged=4) is timeout
+    verdict = judge_step(timeout, sequence_id=9, start=False, acknowledged=4)
+    assert verdict.error is timeout
+    assert verdict.lost
+    assert verdict.send_end

@@ -69,7 +69,7 @@ async def test_run_with_retry(errors: list[TritonError], calls: int, raised: typ
     made: list[int] = []
     slept: list[float] = []
 
-    async def call() -> str:
+    async def call(remaining: float | None) -> str:
         made.append(1)
         if pending:
             raise pending.pop(0)
@@ -85,3 +85,41 @@ async def test_run_with_retry(errors: list[TritonError], calls: int, raised: typ
             await run_with_retry(call, policy, sleep=sleep)
     assert len(made) == calls
     assert slept == [1.0, 2.0, 4.0][: calls - 1]
+
+
+async def test_one_deadline_across_attempts() -> None:
+    """Attempts share one deadline: each gets what is left, and no retry starts that cannot finish in time."""
+    now = [0.0]
+    policy = RetryPolicy(max_attempts=10, initial_backoff_s=1.0, max_backoff_s=1.0, jitter=0)
+    budgets: list[float | None] = []
+
+    async def call(remaining: float | None) -> str:
+        budgets.append(remaining)
+        now[0] += 0.5  # each attempt takes half a second
+        raise ServerUnavailable("busy")
+
+    async def sleep(s: float) -> None:
+        now[0] += s
+
+    with pytest.raises(ServerUnavailable):
+        await run_with_retry(call, policy, timeout_s=4.0, sleep=sleep, clock=lambda: now[0])
+    # 0.5 s per attempt + 1 s back-off: attempts start at 0, 1.5 and 3.0; a fourth would start at 4.5 > 4.
+    assert budgets == [4.0, 2.5, 1.0]
+    assert now[0] == 3.5
+
+
+def test_restricted_protocol_is_permission_denied_and_not_retried() -> None:
+    """Triton answers a missing API key with UNAVAILABLE over gRPC: it maps to PermissionDeniedError, never retried."""
+    from tritonclient.utils import InferenceServerException
+
+    from triton_npu_client import PermissionDeniedError
+    from triton_npu_client._errors._classify import map_error
+
+    err = map_error(
+        InferenceServerException(
+            "This protocol is restricted, expecting header 'triton-grpc-protocol-x-api-key'",
+            status="StatusCode.UNAVAILABLE",
+        )
+    )
+    assert isinstance(err, PermissionDeniedError)
+    assert not is_retriable(err)

@@ -32,15 +32,8 @@ async def client_for(server: LocalTriton, protocol: str) -> Client:
 
 
 async def model_on(server: LocalTriton, client: Client, name: str) -> Model:
-    """``client.model(name)``; over HTTP with the spec read over gRPC.
-
-    Why: ModelSpec.from_config does not yet parse the HTTP form of control inputs (it reports
-    ``data_type: TYPE_INVALID`` for int32_false_true controls); the spec itself is the same model's.
-    """
-    if client.config.scheme != "http":
-        return await client.model(name)
-    async with Client(server.grpc_url) as grpc_client:
-        return Model(client, (await grpc_client.model(name)).spec)
+    """``client.model(name)`` (the spec is read over the client's own protocol)."""
+    return await client.model(name)
 
 
 async def live_sequences(model: Model) -> int:

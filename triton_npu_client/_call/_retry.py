@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -23,7 +24,9 @@ def is_retriable(err: BaseException) -> bool:
     """Whether a stateless request that failed with ``err`` may be sent again.
 
     Only "the server never took the request" kinds: no connection, UNAVAILABLE / RESOURCE_EXHAUSTED / 503.
-    Never an invalid input, a model error, or a timeout (the server may still be running it).
+    Never an invalid input, a model error, a refusal that will not change (a missing API key, which Triton
+    sends as UNAVAILABLE, is mapped to :class:`PermissionDeniedError` first), or a timeout (the server may
+    still be running it).
     """
     return isinstance(err, ConnectError | ServerUnavailable)
 
@@ -56,21 +59,31 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 
 
 async def run_with_retry(
-    call: Callable[[], Awaitable[T]],
+    call: Callable[[float | None], Awaitable[T]],
     policy: RetryPolicy,
     *,
+    timeout_s: float | None = None,
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     rng: random.Random | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> T:
-    """Await ``call()``; on a retriable :class:`TritonError` try again per ``policy``, then re-raise the last error."""
+    """Await ``call(remaining_s)``; on a retriable :class:`TritonError` try again per ``policy``.
+
+    ``timeout_s`` is ONE deadline across every attempt and the waits between them: each attempt gets what is
+    left, and no retry starts that could not finish in time (the last error is raised instead).
+    """
+    deadline = None if timeout_s is None else clock() + timeout_s
     attempt = 1
     while True:
+        remaining = None if deadline is None else max(0.0, deadline - clock())
         try:
-            return await call()
+            return await call(remaining)
         except TritonError as err:
             if attempt >= policy.max_attempts or not is_retriable(err):
                 raise
             delay = policy.delay_s(attempt, rng)
+            if deadline is not None and clock() + delay >= deadline:
+                raise
             _log.debug("retry %d/%d in %.3fs after %r", attempt, policy.max_attempts - 1, delay, err)
             attempt += 1
             await sleep(delay)

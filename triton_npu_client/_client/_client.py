@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 import attrs
 
-from .._call._coalesce import Coalescer, Coalescing
-from .._call._defaults import USE_CLIENT_DEFAULT, UseClientDefault
-from .._call._retry import NO_RETRY, RetryPolicy, run_with_retry
+from .._call import USE_CLIENT_DEFAULT, Coalescer, Coalescing, RetryPolicy, UseClientDefault
+from .._call._caller import Caller
 from .._errors import (
     ClientClosedError,
     ConnectError,
@@ -24,20 +23,19 @@ from .._errors import (
     UsageError,
 )
 from .._model import ModelSpec
+from .._sessions import SequenceSession
 from .._transport import GrpcTransport, HttpTransport, TLSConfig, Transport
-from .._wire import InferRequest, InferResult
+from .._transport._http import DEFAULT_HTTP_CONNECTIONS
 from ._model import Model
-
-if TYPE_CHECKING:
-    from .._sessions import SequenceSession
 
 __all__ = ["Client", "ClientConfig", "ModelStatistics", "RepositoryModel", "ServerMetadata"]
 
 _DEFAULT_PORTS = {"grpc": 8001, "grpcs": 443, "http": 8000, "https": 443}
 
 
-def _freeze_headers(value: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
-    return tuple((value or {}).items())
+def _freeze_headers(value: Mapping[str, str] | Sequence[tuple[str, str]] | None) -> tuple[tuple[str, str], ...]:
+    # Also takes the frozen form itself: with_options() evolves a config whose headers are already pairs.
+    return tuple(dict(value or {}).items())
 
 
 def _freeze_options(
@@ -57,6 +55,8 @@ class ClientConfig:
     tls: TLSConfig | None = None
     channel_options: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_freeze_options)
     coalescing: Coalescing | None = None
+    streams: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    http_connections: int = attrs.field(default=DEFAULT_HTTP_CONNECTIONS, validator=attrs.validators.ge(1))
 
     @property
     def scheme(self) -> str:
@@ -146,8 +146,10 @@ def _make_transport(config: ClientConfig) -> Transport:
     if scheme in ("grpcs", "https") and tls is None:
         tls = TLSConfig()  # system roots
     if scheme in ("grpc", "grpcs"):
-        return GrpcTransport(target, headers=headers, tls=tls, channel_options=config.channel_options)
-    return HttpTransport(target, headers=headers, tls=tls)
+        return GrpcTransport(
+            target, headers=headers, tls=tls, channel_options=config.channel_options, streams=config.streams
+        )
+    return HttpTransport(target, headers=headers, tls=tls, connections=config.http_connections)
 
 
 class Client:
@@ -168,6 +170,10 @@ class Client:
     ``coalescing=Coalescing()`` merges concurrent stateless requests to one model into batched requests
     (client-side batching: ~3x the throughput at 16 in flight on 2 cores; off by default because errors and
     cancellation are then shared by the merged callers; see :class:`Coalescing`).
+
+    ``streams``: how many long-lived gRPC streams the shared stream route spreads over (gRPC).
+    ``http_connections``: HTTP connections open at once; more concurrent requests wait on this side, visibly
+    (a sequence step that waited past its model's idle timeout is warned about when it leaves).
     """
 
     def __init__(
@@ -180,6 +186,8 @@ class Client:
         tls: TLSConfig | None = None,
         channel_options: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
         coalescing: Coalescing | None = None,
+        streams: int = 1,
+        http_connections: int = DEFAULT_HTTP_CONNECTIONS,
         transport: Transport | None = None,
     ) -> None:
         config = ClientConfig(
@@ -190,6 +198,8 @@ class Client:
             tls=tls,
             channel_options=channel_options,
             coalescing=coalescing,
+            streams=streams,
+            http_connections=http_connections,
         )
         self._init(config, transport if transport is not None else _make_transport(config), owns=True)
 
@@ -201,6 +211,7 @@ class Client:
         self._models: dict[tuple[str, str], ModelSpec] = {}
         # Per client object (not per transport): a copy from with_options() batches its own callers.
         self._coalescer = Coalescer(config.coalescing) if config.coalescing is not None else None
+        self._caller = Caller(transport, timeout_s=config.timeout_s, retry=config.retry, coalescer=self._coalescer)
 
     @classmethod
     def _from_config(cls, config: ClientConfig, transport: Transport, *, owns: bool) -> Client:
@@ -220,7 +231,7 @@ class Client:
 
     @property
     def transport(self) -> Transport:
-        """The transport (for gRPC, :class:`GrpcTransport` exposes ``channel``, ``stub`` and ``metadata``)."""
+        """The transport: its ``call()`` is the one primitive every inference request goes through."""
         self._check_open()
         return self._transport
 
@@ -251,6 +262,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._caller.closed = True
         try:
             if self._coalescer is not None:
                 await self._coalescer.aclose()
@@ -268,7 +280,7 @@ class Client:
         await self.aclose()
 
     def _timeout(self, timeout_s: float | UseClientDefault | None) -> float | None:
-        return self._config.timeout_s if isinstance(timeout_s, UseClientDefault) else timeout_s
+        return self._caller.timeout(timeout_s)
 
     # -- health and metadata --------------------------------------------------------------------------
 
@@ -388,7 +400,7 @@ class Client:
             if not spec.inputs and not spec.outputs:
                 raise ModelNotReadyError(f"model {name!r} has no inputs or outputs in its config", model=name)
             self._models[key] = spec
-        return Model(self, spec)
+        return Model(self._caller, spec)
 
     @contextlib.asynccontextmanager
     async def sequence(self, name: str, *, version: str = "", **options: Any) -> AsyncIterator[SequenceSession]:
@@ -399,61 +411,3 @@ class Client:
         model = await self.model(name, version=version)
         async with model.sequence(**options) as seq:
             yield seq
-
-    async def _infer(
-        self,
-        request: InferRequest,
-        *,
-        timeout_s: float | UseClientDefault | None,
-        request_id: str,
-        sequence_id: int | str | None,
-        sequence_start: bool,
-        sequence_end: bool,
-        retry: bool,
-        max_batch_size: int = 0,
-    ) -> InferResult:
-        self._check_open()
-        timeout = self._timeout(timeout_s)
-        coalescer = self._coalescer
-        if (
-            coalescer is not None
-            and sequence_id is None
-            and not request_id
-            and coalescer.eligible(request, max_batch_size=max_batch_size)
-        ):
-            policy = self._config.retry if retry else NO_RETRY
-            return await coalescer.infer(
-                request,
-                timeout_s=timeout,
-                max_batch_size=max_batch_size,
-                send=lambda merged: self._send(merged, timeout, "", None, False, False, policy),
-            )
-        # A sequence step is never retried: the state it would build twice lives on the server.
-        policy = self._config.retry if retry and sequence_id is None else NO_RETRY
-        return await self._send(request, timeout, request_id, sequence_id, sequence_start, sequence_end, policy)
-
-    async def _send(
-        self,
-        request: InferRequest,
-        timeout_s: float | None,
-        request_id: str,
-        sequence_id: int | str | None,
-        sequence_start: bool,
-        sequence_end: bool,
-        policy: RetryPolicy,
-    ) -> InferResult:
-        transport = self._transport
-
-        def call() -> Awaitable[InferResult]:
-            return transport.infer(
-                request,
-                timeout_s=timeout_s,
-                request_id=request_id,
-                sequence_id=sequence_id,
-                sequence_start=sequence_start,
-                sequence_end=sequence_end,
-            )
-
-        if policy.max_attempts == 1:
-            return await call()
-        return await run_with_retry(call, policy)

@@ -1,18 +1,16 @@
-"""A handle on one model: its cached spec, typed request builders and inference."""
+"""A handle on one model: its cached spec, typed request builders, inference, and sessions on it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
-from .._call._defaults import USE_CLIENT_DEFAULT, UseClientDefault
+from .._call import USE_CLIENT_DEFAULT, UseClientDefault
+from .._call._caller import Caller
 from .._errors import UsageError
 from .._model import InputsArg, ModelSpec, build_request
+from .._sessions import SequenceSession, open_sequence
 from .._wire import InferRequest, InferResult
-
-if TYPE_CHECKING:
-    from .._sessions import SequenceSession
-    from ._client import Client
 
 __all__ = ["Model"]
 
@@ -26,10 +24,10 @@ class Model:
     network call.
     """
 
-    __slots__ = ("_client", "_spec")
+    __slots__ = ("_caller", "_spec")
 
-    def __init__(self, client: Client, spec: ModelSpec) -> None:
-        self._client = client
+    def __init__(self, caller: Caller, spec: ModelSpec) -> None:
+        self._caller = caller
         self._spec = spec
 
     def __repr__(self) -> str:
@@ -45,9 +43,9 @@ class Model:
         return self._spec.name
 
     @property
-    def client(self) -> Client:
-        """The client this handle sends through."""
-        return self._client
+    def caller(self) -> Caller:
+        """What this handle sends through: the client's transport and defaults."""
+        return self._caller
 
     # -- builders (no I/O) ----------------------------------------------------------------------------
 
@@ -113,37 +111,62 @@ class Model:
         *,
         timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
         request_id: str = "",
-        sequence_id: int | str | None = None,
-        sequence_start: bool = False,
-        sequence_end: bool = False,
         retry: bool = True,
     ) -> InferResult:
         """Send a prebuilt request. ``timeout_s`` is the gRPC deadline and Triton's server-side timeout.
 
-        ``retry=False`` disables the client's retry policy (the sequence layer passes it for every step).
-        Refused before any network call: a decoupled model (it answers over the gRPC stream only) and a
-        stateful model without ``sequence_id`` (Triton would refuse the missing correlation id).
+        Refused before any network call: a decoupled model (use :meth:`stream`) and a stateful model (use
+        :meth:`sequence`).
         """
-        if self._spec.decoupled:
-            raise UsageError(
-                f"model {self.name!r} is decoupled: Triton answers it over the gRPC stream only, not unary calls",
-                model=self.name,
-            )
-        if self._spec.is_stateful and sequence_id is None:
-            raise UsageError(
+        spec = self._spec
+        if spec.decoupled or spec.sequence is not None:
+            raise self._refusal()
+        return await self._caller.infer(
+            request,
+            timeout_s=self._caller.timeout(timeout_s),
+            request_id=request_id,
+            retry=retry,
+            max_batch_size=spec.max_batch_size,
+        )
+
+    def _refusal(self) -> UsageError:
+        if self._spec.sequence is not None:
+            return UsageError(
                 f"model {self.name!r} is stateful (sequence batching): send steps through model.sequence()",
                 model=self.name,
             )
-        return await self._client._infer(
-            request,
-            timeout_s=timeout_s,
-            request_id=request_id,
-            sequence_id=sequence_id,
-            sequence_start=sequence_start,
-            sequence_end=sequence_end,
-            retry=retry,
-            max_batch_size=self._spec.max_batch_size,
+        return UsageError(
+            f"model {self.name!r} is decoupled: Triton answers it over the gRPC stream only; use model.stream()",
+            model=self.name,
         )
+
+    async def stream(
+        self,
+        inputs: InputsArg = None,
+        /,
+        *,
+        outputs: Sequence[str] | None = None,
+        timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
+        allow_lossy: bool = False,
+        **named: object,
+    ) -> AsyncIterator[InferResult]:
+        """Every response of one request to a decoupled model, until its final flag (gRPC only).
+
+        The request travels on a gRPC call of its own: leaving the loop early, or cancelling the task that
+        iterates, cancels it on the server. A stateless request only; steps of a stateful model go through
+        :meth:`sequence`.
+        """
+        if self._spec.sequence is not None:
+            raise self._refusal()
+        req = build_request(self._spec, inputs, named, batch=False, outputs=outputs, allow_lossy=allow_lossy)
+        responses = self._caller.call(
+            req, timeout_s=self._caller.timeout(timeout_s), route="own", many=self._spec.decoupled
+        )
+        try:
+            async for result in responses:
+                yield result
+        finally:
+            await responses.aclose()
 
     # -- sessions -------------------------------------------------------------------------------------
 
@@ -153,7 +176,4 @@ class Model:
         Options are those of :func:`triton_npu_client.open_sequence` (``sequence_id``, ``stream``,
         ``timeout_s``, ...). No I/O until the first step.
         """
-        # Imported here because the session layer sits above the model layer and imports it.
-        from .._sessions import open_sequence
-
         return open_sequence(self, **options)

@@ -1,8 +1,11 @@
-"""The one place that translates tritonclient / gRPC / HTTP / asyncio errors into the SDK's error tree.
+"""The one place that translates tritonclient / gRPC / HTTP / asyncio errors into the SDK's error tree, and the
+one place that judges what a failed sequence step means for its sequence (:func:`judge_step`).
 
-Classification is by exception type and status code (gRPC ``StatusCode``, HTTP status), never by message
-text, with one documented exception: :func:`map_stream_error`, because per-request errors on a gRPC
-bidirectional stream arrive as a bare string with no status code at all.
+Classification is by exception type and status code (gRPC ``StatusCode``, HTTP status). Message text is read
+only for signals that have no code of their own, listed in :data:`SIGNALS`: Triton's sequence-batcher and
+Python-backend phrases, the server toolkit's own markers, and the restricted-protocol refusal that Triton
+sends as UNAVAILABLE. Per-request errors on a gRPC bidirectional stream carry no status at all, so
+:func:`map_stream_error` classifies them by those signals alone.
 
 What Triton 2.51 answers (seen against the real server):
 
@@ -18,8 +21,10 @@ from __future__ import annotations
 import asyncio
 from typing import Final
 
+import attrs
 import grpc
 
+from ..server._markers import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 from ._exceptions import (
     ConnectError,
     InternalServerError,
@@ -28,6 +33,7 @@ from ._exceptions import (
     ModelNotReadyError,
     PermissionDeniedError,
     RequestTimeout,
+    SequenceCapacityError,
     SequenceError,
     SequenceLost,
     ServerUnavailable,
@@ -35,7 +41,16 @@ from ._exceptions import (
     TritonError,
 )
 
-__all__ = ["map_error", "map_stream_error", "sequence_error"]
+__all__ = ["SIGNALS", "StepVerdict", "judge_step", "map_error", "map_stream_error"]
+
+# Phrases that carry a meaning no status code carries (Triton 2.51's own words, and the toolkit's markers).
+MISSING_START: Final = "must specify the START flag"
+NO_CORRELATION_ID: Final = "must specify a non-zero or non-empty correlation ID"
+STUB_DEAD: Final = "Stub process is not healthy"
+RESTRICTED: Final = "This protocol is restricted"
+_MODEL_GONE: Final = ("is not found", "has no available versions")
+SIGNALS: Final = (MISSING_START, NO_CORRELATION_ID, STUB_DEAD, RESTRICTED, SEQUENCE_UNKNOWN, SEQUENCE_CAPACITY,
+                  *_MODEL_GONE)
 
 _GRPC: Final[dict[str, type[TritonError]]] = {
     "DEADLINE_EXCEEDED": RequestTimeout,
@@ -163,6 +178,7 @@ def map_error(
         message = f"{type(err).__name__}: {err}"
         cls = InternalServerError
 
+    cls = _by_signal(message) or cls
     where = f"model {model!r}: " if model else ""
     return cls(
         f"{where}{message}",
@@ -174,72 +190,94 @@ def map_error(
     )
 
 
+def _by_signal(message: str) -> type[TritonError] | None:
+    """The class a message's signal phrase calls for, whatever status came with it (None: no signal)."""
+    if RESTRICTED in message:
+        # Triton answers a missing or wrong API key with UNAVAILABLE over gRPC: a refusal that will not change.
+        return PermissionDeniedError
+    if SEQUENCE_CAPACITY in message:
+        return SequenceCapacityError
+    if MISSING_START in message or NO_CORRELATION_ID in message or SEQUENCE_UNKNOWN in message:
+        return SequenceError
+    if STUB_DEAD in message:
+        return InternalServerError
+    return None
+
+
 def map_stream_error(
     message: str,
     *,
     model: str | None = None,
     request_id: str | None = None,
     sequence_id: int | str | None = None,
-    steps_acknowledged: int = 0,
 ) -> TritonError:
     """Classify a per-request error of a gRPC bidirectional stream (``ModelStreamInferResponse.error_message``).
 
-    This is the ONE function of the package that classifies by message text: the stream carries these
-    errors as bare strings with no status code, so the text is all there is. The phrases below are
-    Triton 2.51's own (sequence batcher and Python backend).
+    The stream carries these errors as bare strings with no status code, so the signal phrases are all there is.
     """
-    ctx = {"model": model, "request_id": request_id or None, "status": None}
     where = f"model {model!r}: " if model else ""
-    if "must specify a non-zero or non-empty correlation ID" in message:
-        return SequenceError(f"{where}{message}", sequence_id=sequence_id, **ctx)
-    lost = (
-        "must specify the START flag" in message
-        or "Stub process is not healthy" in message
-        or "is not found" in message
-        or "has no available versions" in message
-    )
-    # Nothing is lost before the server acknowledged a step: a failed START is the error itself.
-    if sequence_id is not None and lost and steps_acknowledged > 0:
-        return _lost(f"{where}{message}", sequence_id, steps_acknowledged, model, request_id)
-    if "is not found" in message or "has no available versions" in message:
-        return ModelNotFoundError(f"{where}{message}", sequence_id=sequence_id, **ctx)
-    input_words = ("input", "shape", "data-type", "datatype", "byte size", "batch size")
-    if any(w in message for w in input_words):
-        return InvalidArgumentError(f"{where}{message}", sequence_id=sequence_id, **ctx)
-    return InternalServerError(f"{where}{message}", sequence_id=sequence_id, **ctx)
+    cls = _by_signal(message)
+    if cls is None:
+        if any(phrase in message for phrase in _MODEL_GONE):
+            cls = ModelNotFoundError
+        elif any(w in message for w in ("input", "shape", "data-type", "datatype", "byte size", "batch size")):
+            cls = InvalidArgumentError
+        else:
+            cls = InternalServerError
+    return cls(f"{where}{message}", model=model, request_id=request_id or None, sequence_id=sequence_id)
 
 
-def _lost(message: str, sequence_id: int | str, steps: int, model: str | None, request_id: str | None) -> SequenceLost:
-    return SequenceLost(
-        f"sequence {sequence_id!r} lost after {steps} acknowledged step(s): {message}",
+@attrs.frozen(kw_only=True)
+class StepVerdict:
+    """What a failed sequence step means: the error to raise, whether the sequence is gone or its state can no
+    longer be trusted (``lost``), and whether closing the session must still send END (``send_end``)."""
+
+    error: TritonError
+    lost: bool
+    send_end: bool
+
+
+def judge_step(err: TritonError, *, sequence_id: int | str, start: bool, acknowledged: int) -> StepVerdict:
+    """Judge a failed step of a sequence, the same way whatever path it took (unary gRPC, HTTP, the stream).
+
+    Lost, only on a signal that the server dropped the sequence or that the step's outcome is unknown:
+
+    - a missing START after an acknowledged step (Triton's idle timeout, a restart, a reload), a model that is
+      gone (unloaded or reloaded), a dead stub: the state is gone and there is nothing to END;
+    - the toolkit's "unknown sequence" marker: the model lost the state, but Triton may still hold the slot,
+      so END is still sent;
+    - a transport failure or a timeout: the step may or may not have run; END is still sent.
+
+    Anything else (a model exception, an input the server refused, a capacity refusal) is that step's own
+    error: the sequence goes on and END is sent at the close. When unsure, send END.
+    """
+    text = err.message
+    if isinstance(err, SequenceLost):
+        return StepVerdict(error=err, lost=True, send_end=False)
+    if isinstance(err, RequestTimeout):
+        # This step's error is the timeout; later steps cannot trust the state.
+        return StepVerdict(error=err, lost=True, send_end=True)
+    if isinstance(err, TransportError):
+        lost = _lost(err, sequence_id, acknowledged, f"the outcome of a step is unknown ({err.message})")
+        return StepVerdict(error=err if start else lost, lost=True, send_end=True)
+    if start:
+        # Nothing was built before the first acknowledged step: a refused START is just this step's error.
+        return StepVerdict(error=err, lost=False, send_end=not isinstance(err, SequenceCapacityError))
+    gone = MISSING_START in text or STUB_DEAD in text or isinstance(err, ModelNotFoundError)
+    if gone or SEQUENCE_UNKNOWN in text:
+        return StepVerdict(error=_lost(err, sequence_id, acknowledged, text), lost=True, send_end=not gone)
+    return StepVerdict(error=err, lost=False, send_end=True)
+
+
+def _lost(err: TritonError, sequence_id: int | str, steps: int, why: str) -> SequenceLost:
+    lost = SequenceLost(
+        f"sequence {sequence_id!r} lost after {steps} acknowledged step(s): {why}",
         sequence_id=sequence_id,
         steps_acknowledged=steps,
-        model=model,
-        request_id=request_id or None,
+        model=err.model,
+        version=err.version,
+        request_id=err.request_id,
+        status=err.status,
     )
-
-
-def sequence_error(
-    err: TritonError,
-    *,
-    sequence_id: int | str,
-    steps_acknowledged: int,
-) -> TritonError:
-    """Upgrade the error of a non-START sequence step to :class:`SequenceLost` where the server lost the sequence.
-
-    For a unary step, a missing START (idle timeout, restart) comes back as INVALID_ARGUMENT, a reloaded or
-    unloaded model as NOT_FOUND, a dead stub as INTERNAL/UNKNOWN, and a server restart as UNAVAILABLE or a
-    connection failure: in every case the state the sequence built is gone. Call this only for steps after
-    the first (a START step that fails has lost nothing). Timeouts stay timeouts: the step may still run.
-    """
-    if isinstance(err, SequenceLost | RequestTimeout):
-        return err
-    if isinstance(
-        err, InvalidArgumentError | ModelNotFoundError | InternalServerError | SequenceError | TransportError
-    ):
-        lost = _lost(err.message, sequence_id, steps_acknowledged, err.model, err.request_id)
-        lost.status = err.status
-        lost.version = err.version
-        lost.__cause__ = err
-        return lost
-    return err
+    lost.__cause__ = err
+    return lost

@@ -13,7 +13,8 @@
     │   ├── InvalidArgumentError            (also ValueError): the server rejected the request
     │   ├── PermissionDeniedError           restricted protocol / missing API key
     │   ├── SequenceError                   sequence misuse the server detected
-    │   │   └── SequenceLost                the server no longer knows the sequence
+    │   │   ├── SequenceLost                the server no longer knows the sequence
+    │   │   └── SequenceCapacityError       the model holds as many sequences as it can: START later
     │   └── InternalServerError             model raised, stub died, anything else
     ├── UsageError                      the SDK was used wrongly; detected before any network call
     │   ├── InputError                      (also ValueError) base of the input-builder errors
@@ -60,6 +61,7 @@ __all__ = [
     "PermissionDeniedError",
     "PortInUseError",
     "RequestTimeout",
+    "SequenceCapacityError",
     "SequenceClosedError",
     "SequenceError",
     "SequenceLost",
@@ -180,6 +182,10 @@ class SequenceLost(SequenceError):
             sequence_id=sequence_id,
         )
         self.steps_acknowledged = steps_acknowledged
+
+
+class SequenceCapacityError(SequenceError):
+    """The model refused to START a sequence: it holds its cap of live sequences. Nothing was started; try later."""
 
 
 class InternalServerError(ServerError):

@@ -4,30 +4,29 @@
 
     async with model.sequence() as seq:          # a fresh id; the first step carries START
         r1 = await seq.infer(X=x1)
-        r2 = await seq.infer(X=x2)
+        async for r in seq.stream(N=5):          # a step answered by several responses (decoupled model)
+            ...
         last = await seq.end(X=x3)               # the last step carries END
     # leaving the block without end(): END is sent for you (bounded, best effort)
 
-What it takes care of (see TRITON_FACTS.md for the server's side):
-
-- **Ids.** A random non-zero 63-bit integer (``secrets.randbits(63)``: independent clients never collide in
-  practice), or a UUID string when the model's correlation id is a string. Never 0 or "", which would
-  silently turn sequencing off. A caller-given id is checked against the model before anything is sent.
-- **Order.** Steps of one session are strictly serialised (an :class:`asyncio.Lock`, which queues callers
-  in call order). Over the stream multiplexer a session's steps also share one stream.
-- **START / END.** START rides on every step until the server has acknowledged one (a START step the server
-  refused built nothing). END rides on :meth:`Sequence.end`, or on a closing request when the block is left
-  without it — normally, on an exception, or on cancellation. **Chosen:** the closing request re-sends the
-  last step's inputs with END set and its answer is discarded; the model needs inputs on every request and
-  the last ones are known to be valid. It is bounded by ``end_timeout_s`` and shielded from the caller's
-  cancellation, so that abandoned sessions free their server state.
-- **Loss.** :class:`SequenceLost` (with ``steps_acknowledged``) when the server no longer knows the sequence:
-  idle timeout, restart, reload, stub crash, or a broken stream under a step. A step whose outcome is
-  unknown (the stream broke, the caller gave up waiting, the caller was cancelled) also ends the session:
-  the state may or may not include that step, so later steps raise :class:`SequenceLost`. A sequence step
-  is never retried.
-- **Idle timeout.** The session knows the model's ``max_sequence_idle_microseconds`` and warns with
-  :class:`SequenceIdleWarning` before a step that comes later than that after the last answer.
+- **Ids.** A random non-zero 63-bit integer (independent clients never collide in practice), or a UUID string
+  when the model's correlation id is a string. Never 0 or "", which would silently turn sequencing off.
+- **Order.** Steps of one session are strictly serialised (an :class:`asyncio.Lock`, which queues callers in
+  call order; a streamed step holds it until its last response is read or the stream is closed).
+- **START / END.** START rides on every step until the server has acknowledged one. END rides on
+  :meth:`SequenceSession.end`, or on a closing request when the block is left without it. The closing request
+  carries no inputs when every input of the model is optional (the server toolkit's models free the state
+  without computing a step); otherwise it re-sends the last step's inputs and its answer is discarded.
+- **Losses** are judged in one place (``_errors/_classify.judge_step``), the same over every path:
+  :class:`SequenceLost` only when the server dropped the sequence or a step's outcome is unknown; any other
+  failure is that step's own error, the session goes on, and END is still sent at the close.
+- **Cancellation.** Cancelling a :meth:`~SequenceSession.stream` step (or leaving its loop early) cancels that
+  request on the server (a gRPC call of its own); the model keeps what it computed before it stopped, and the
+  session goes on. Cancelling an :meth:`~SequenceSession.infer` step leaves its outcome unknown: later steps
+  raise :class:`SequenceLost`.
+- **Idle timeout.** A step that leaves later than the model's ``max_sequence_idle_microseconds`` after the
+  previous answer is warned about (:class:`SequenceIdleWarning`) when it actually leaves, after any wait for a
+  connection.
 """
 
 from __future__ import annotations
@@ -37,32 +36,27 @@ import logging
 import secrets
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, Self
+from typing import Final, Protocol, Self
 
-from .._call._defaults import USE_CLIENT_DEFAULT, UseClientDefault
+from .._call import USE_CLIENT_DEFAULT, UseClientDefault
+from .._call._caller import Caller
 from .._errors import (
-    RequestTimeout,
     SequenceClosedError,
     SequenceLost,
     SequenceUsageError,
-    TransportError,
     TritonError,
 )
-from .._errors._classify import sequence_error
-from .._model import build_request
-from .._transport._grpc import GrpcTransport
-from .._transport._stream import StreamMultiplexer
+from .._errors._classify import judge_step
+from .._model import ModelSpec, build_request
+from .._transport._base import OnSend, Responses, Route
 from .._wire import InferRequest, InferResult
-
-if TYPE_CHECKING:
-    from .._client._model import Model
-    from .._model import ModelSpec
 
 __all__ = [
     "SequenceIdleWarning",
     "SequenceSession",
+    "SessionTarget",
     "new_sequence_id",
     "open_sequence",
     "validate_sequence_id",
@@ -76,6 +70,16 @@ DEFAULT_END_TIMEOUT_S: Final = 5.0
 
 # Closing requests still in flight after their caller was cancelled: held here so they are not collected.
 _CLOSING: set[asyncio.Task[None]] = set()
+
+
+class SessionTarget(Protocol):
+    """What a session needs of a model handle: its spec and the caller it sends through."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def caller(self) -> Caller: ...
 
 
 class SequenceIdleWarning(UserWarning):
@@ -124,7 +128,7 @@ def validate_sequence_id(sequence_id: object, spec: ModelSpec) -> int | str:
 
 
 def open_sequence(
-    model: Model,
+    model: SessionTarget,
     *,
     sequence_id: int | str | None = None,
     stream: bool | None = None,
@@ -134,33 +138,36 @@ def open_sequence(
 ) -> SequenceSession:
     """A new session on ``model`` (what ``model.sequence(...)`` returns). No I/O until the first step.
 
-    ``stream`` chooses the path of the steps: ``True``, the client's gRPC stream multiplexer (one long-lived
-    bidirectional stream shared by many sequences); ``False``, one unary call per step (gRPC or HTTP, the
-    client's protocol); ``None`` (the default), the stream for a decoupled model (Triton serves those only
-    there) and unary calls otherwise. Why not the stream for every model: Triton 2.51 crashes (SIGSEGV in
-    ``TRITONBACKEND_RequestRelease``) under streamed load when a *non-decoupled* Python model answers, which a
-    decoupled model that sends each answer with the FINAL flag avoids (``bench/repro_stream_crash/``).
-    ``timeout_s`` bounds each step's wait (the client's default when not given; ``None``: no limit).
+    ``stream`` chooses the path of :meth:`~SequenceSession.infer` steps: ``True``, the client's shared gRPC
+    stream (one long-lived bidirectional stream multiplexing many sequences); ``False``, one unary call per step
+    (gRPC or HTTP, the client's protocol); ``None`` (the default), the shared stream for a decoupled model
+    (Triton serves those only there) and unary calls otherwise. Why not the stream for every model: Triton 2.51
+    crashes under streamed load when a *non-decoupled* Python model answers (``bench/repro_stream_crash/``).
+    :meth:`~SequenceSession.stream` steps of a decoupled model always take a gRPC call of their own, so that
+    each can be cancelled alone. ``timeout_s`` bounds each step (the client's default when not given).
     """
-    transport = model.client.transport
+    spec = model.spec
+    caller = model.caller
+    transport = caller.transport
     if stream is None:
-        stream = model.spec.decoupled
-    if stream and not isinstance(transport, GrpcTransport):
+        stream = spec.decoupled
+    if (stream or spec.decoupled) and not transport.can_stream:
         raise SequenceUsageError(
-            f"model {model.name!r}: stream=True needs a gRPC client; this one speaks {transport.protocol}",
-            model=model.name,
+            f"model {spec.name!r}: "
+            + ("it is decoupled, which Triton serves only over the gRPC stream" if spec.decoupled else "stream=True")
+            + f"; this client speaks {transport.protocol}: use a gRPC client (grpc://)",
+            model=spec.name,
         )
-    if not stream and model.spec.decoupled:
+    if not stream and spec.decoupled:
         raise SequenceUsageError(
-            f"model {model.name!r} is decoupled: Triton serves it over the gRPC stream only; "
-            f"use a grpc:// client and stream=True (or leave stream unset)",
-            model=model.name,
+            f"model {spec.name!r} is decoupled: Triton serves it over the gRPC stream only; leave stream unset",
+            model=spec.name,
         )
     return SequenceSession(
         model,
-        multiplexer=transport.multiplexer() if isinstance(transport, GrpcTransport) and stream else None,
+        route="shared" if stream else "unary",
         sequence_id=sequence_id,
-        timeout_s=model.client.config.timeout_s if isinstance(timeout_s, UseClientDefault) else timeout_s,
+        timeout_s=caller.timeout(timeout_s),
         end_timeout_s=end_timeout_s,
         outputs=tuple(outputs) if outputs is not None else None,
     )
@@ -170,15 +177,13 @@ class SequenceSession:
     """One sequence (correlation id) on a stateful model; an async context manager. See the module docstring.
 
     Made by ``model.sequence(...)`` / ``client.sequence(name, ...)`` (see :func:`open_sequence`).
-    ``multiplexer`` given: steps travel on that gRPC stream multiplexer; ``None``: each step is one unary
-    call through the model's client (gRPC or HTTP), never retried.
     """
 
     def __init__(
         self,
-        model: Model,
+        model: SessionTarget,
         *,
-        multiplexer: StreamMultiplexer | None = None,
+        route: Route = "unary",
         sequence_id: int | str | None = None,
         timeout_s: float | None = None,
         end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
@@ -191,13 +196,15 @@ class SequenceSession:
             self._id: int | str = new_sequence_id(string=spec.sequence.string_ids)
         else:
             self._id = validate_sequence_id(sequence_id, spec)
-        self._model = model
         self._spec = spec
-        self._mux = multiplexer
+        self._caller = model.caller
+        self._route: Route = route
         self._timeout_s = timeout_s
         self._end_timeout_s = end_timeout_s
         self._outputs = outputs
         self._idle_timeout_s = spec.sequence.idle_timeout_us / 1e6
+        # END with no inputs frees the state without a step, when the model allows requests without inputs.
+        self._end_only = all(t.optional for t in spec.inputs)
         self._lock = asyncio.Lock()
         self._acked = 0
         self._ended = False  # END sent by end(): further steps are a usage error
@@ -208,14 +215,13 @@ class SequenceSession:
         self._last_answer_at: float | None = None
 
     def __repr__(self) -> str:
-        via = self.via
         state = "lost" if self._loss is not None else "ended" if self._ended else "open"
-        return f"<Sequence {self._spec.name} id={self._id!r} via={via} steps={self._acked} {state}>"
+        return f"<Sequence {self._spec.name} id={self._id!r} via={self.via} steps={self._acked} {state}>"
 
     @property
     def via(self) -> str:
-        """How the steps travel: ``"stream"`` (the gRPC stream multiplexer), else the client's URL scheme."""
-        return "stream" if self._mux is not None else self._model.client.config.scheme
+        """How :meth:`infer` steps travel: ``"stream"`` (the shared gRPC stream), else the client's protocol."""
+        return "stream" if self._route == "shared" else self._caller.transport.protocol
 
     @property
     def sequence_id(self) -> int | str:
@@ -249,7 +255,11 @@ class SequenceSession:
         timeout_s: float | None = None,
         **named: object,
     ) -> InferResult:
-        """Send one step and return its result. Inputs are given as for ``model.infer``."""
+        """Send one step and return its one result. Inputs are given as for ``model.infer``.
+
+        A decoupled model that answers a step with several responses raises :class:`UsageError` here (after
+        the step ran): read such steps with :meth:`stream`.
+        """
         return await self._step(self._build(inputs, named), end=False, timeout_s=timeout_s)
 
     async def end(
@@ -262,6 +272,53 @@ class SequenceSession:
     ) -> InferResult:
         """Send the last step (it carries END) and return its result; the session is closed afterwards."""
         return await self._step(self._build(inputs, named), end=True, timeout_s=timeout_s)
+
+    async def stream(
+        self,
+        inputs: Mapping[str, object] | None = None,
+        /,
+        *,
+        end: bool = False,
+        timeout_s: float | None = None,
+        **named: object,
+    ) -> AsyncIterator[InferResult]:
+        """Send one step and yield every response to it, until the final one (``end=True``: the step carries END).
+
+        On a decoupled model the step takes a gRPC call of its own: leaving the loop early (or cancelling the
+        task that iterates) cancels it on the server, and the session goes on. For an immediate cancel on
+        ``break``, iterate inside ``contextlib.aclosing(seq.stream(...))``.
+        """
+        request = self._build(inputs, named)
+        self._refuse()
+        async with self._lock:
+            self._refuse()
+            start = self._acked == 0
+            decoupled = self._spec.decoupled
+            responses = self._send(
+                request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
+                route="own" if decoupled else self._route, many=decoupled,
+            )
+            answered = False
+            finished = False
+            try:
+                async for result in responses:
+                    if not answered:
+                        answered = True
+                        self._acknowledged(end=False)
+                    yield result
+                finished = True
+            except TritonError as err:
+                finished = True
+                raise self._failed(err, start=start) from err
+            finally:
+                # Cut short (cancelled, or the loop left early): closing cancels the call on the server. An END
+                # step cut short may not have been applied, so _needs_end stays set and the close re-sends END.
+                await responses.aclose()
+                if finished:
+                    if not answered:
+                        self._acknowledged(end=end)  # a step answered by the final flag alone
+                    elif end:
+                        self._needs_end = False
 
     def _build(self, inputs: Mapping[str, object] | None, named: Mapping[str, object]) -> InferRequest:
         # Validation happens here, before the lock and before anything is sent.
@@ -282,103 +339,97 @@ class SequenceSession:
                 model=self._spec.name,
             ) from self._loss
 
-    def _unknown(self, why: str, err: BaseException | None) -> SequenceLost:
-        lost = SequenceLost(
-            f"sequence {self._id!r}: the outcome of a step is unknown ({why}); its state cannot be trusted",
+    def _send(
+        self, request: InferRequest, *, start: bool, end: bool, timeout_s: float | None, route: Route, many: bool
+    ) -> Responses:
+        self._ended = end
+        self._last_request = request
+        self._needs_end = True
+        return self._caller.call(
+            request,
+            timeout_s=timeout_s,
+            route=route,
+            many=many,
             sequence_id=self._id,
-            steps_acknowledged=self._acked,
-            model=self._spec.name,
-            status=err.status if isinstance(err, TritonError) else None,
+            sequence_start=start,
+            sequence_end=end,
+            on_send=None if start else self._idle_check(),
         )
-        lost.__cause__ = err
-        return lost
 
     async def _step(self, request: InferRequest, *, end: bool, timeout_s: float | None) -> InferResult:
         self._refuse()
         async with self._lock:
             self._refuse()  # the state may have changed while this caller queued
             start = self._acked == 0
-            self._warn_if_idle(start)
-            self._ended = end
-            self._last_request = request
-            self._needs_end = True
+            responses = self._send(
+                request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
+                route=self._route, many=self._spec.decoupled,
+            )
             try:
-                result = await self._send(request, start=start, end=end, timeout_s=timeout_s or self._timeout_s)
+                result = await responses.single()
             except asyncio.CancelledError:
                 # Sent (or about to be): the server may apply it. The caller never sees its answer.
-                self._loss = self._unknown("the caller was cancelled while it was in flight", None)
+                self._loss = SequenceLost(
+                    f"sequence {self._id!r}: a step was cancelled in flight; its outcome is unknown",
+                    sequence_id=self._id,
+                    steps_acknowledged=self._acked,
+                    model=self._spec.name,
+                )
                 raise
             except TritonError as err:
-                raise self._failed(err, start=start, end=end) from err
-            self._acked += 1
-            if end:
-                self._needs_end = False
-            self._last_answer_at = asyncio.get_running_loop().time()
+                raise self._failed(err, start=start) from err
+            self._acknowledged(end=end)
             return result
 
-    def _failed(self, err: TritonError, *, start: bool, end: bool) -> TritonError:
-        """Classify a failed step, update the session, and return the error to raise."""
-        if isinstance(err, RequestTimeout):
-            # The step may still run: the error for this step is the timeout, later steps get SequenceLost.
-            self._loss = self._unknown("no answer in time", err)
-            return err
-        if isinstance(err, SequenceLost):
-            err.steps_acknowledged = self._acked
-            self._loss = err
-            self._needs_end = False  # the server does not know the id: nothing to free
-            return err
-        if isinstance(err, TransportError):
-            # The step may or may not have reached the model; the server may still hold the sequence.
-            self._loss = self._unknown(f"{type(err).__name__}: {err.message}", err)
-            return err if start else self._loss
-        if not start and self._mux is None:
-            # Unary steps: a missing START, an unloaded model or a dead stub arrive as plain status codes.
-            upgraded = sequence_error(err, sequence_id=self._id, steps_acknowledged=self._acked)
-            if isinstance(upgraded, SequenceLost):
-                self._loss = upgraded
-                self._needs_end = False
-                return upgraded
-        # The server refused this step and still knows the sequence (or never started it): the session goes on.
+    def _acknowledged(self, *, end: bool) -> None:
+        self._acked += 1
         if end:
-            self._ended = False
-        return err
+            self._needs_end = False
+        self._last_answer_at = asyncio.get_running_loop().time()
 
-    def _warn_if_idle(self, start: bool) -> None:
-        if start or self._last_answer_at is None:
-            return
-        idle = asyncio.get_running_loop().time() - self._last_answer_at
-        if idle > self._idle_timeout_s:
-            warnings.warn(
-                SequenceIdleWarning(
-                    f"sequence {self._id!r} of model {self._spec.name!r} was idle {idle:.2f} s, longer than the "
-                    f"model's idle timeout ({self._idle_timeout_s:g} s): the server has probably dropped it"
-                ),
-                stacklevel=4,
-            )
-
-    async def _send(self, request: InferRequest, *, start: bool, end: bool, timeout_s: float | None) -> InferResult:
-        if self._mux is None:
-            return await self._model.infer_request(
-                request,
-                timeout_s=timeout_s,
+    def _failed(self, err: TritonError, *, start: bool) -> TritonError:
+        """Judge a failed step (in the one classifier), update the session, and return the error to raise."""
+        verdict = judge_step(err, sequence_id=self._id, start=start, acknowledged=self._acked)
+        if verdict.lost:
+            error = verdict.error
+            self._loss = error if isinstance(error, SequenceLost) else SequenceLost(
+                f"sequence {self._id!r}: {type(error).__name__}: {error.message}",
                 sequence_id=self._id,
-                sequence_start=start,
-                sequence_end=end,
-                retry=False,
+                steps_acknowledged=self._acked,
+                model=self._spec.name,
+                status=error.status,
             )
-        # No server-side timeout on a streamed step: Triton dropping a step from the sequence batcher's queue
-        # would leave the sequence's state without it. The client-side wait is bounded instead.
-        proto = request.to_grpc(sequence_id=self._id, sequence_start=start, sequence_end=end)
-        response = await self._mux.infer(proto, key=self._id, timeout_s=timeout_s, steps_acknowledged=self._acked)
-        return InferResult.from_grpc(response)
+        else:
+            self._ended = False  # a refused END step did not end the sequence
+        self._needs_end = verdict.send_end
+        return verdict.error
+
+    def _idle_check(self) -> OnSend:
+        last = self._last_answer_at
+
+        def check() -> None:
+            if last is None:
+                return
+            idle = asyncio.get_running_loop().time() - last
+            if idle > self._idle_timeout_s:
+                warnings.warn(
+                    SequenceIdleWarning(
+                        f"sequence {self._id!r} of model {self._spec.name!r}: this step leaves {idle:.2f} s after "
+                        f"the previous answer, later than the model's idle timeout ({self._idle_timeout_s:g} s): "
+                        "the server has probably dropped the sequence"
+                    ),
+                    stacklevel=2,
+                )
+
+        return check
 
     # -- closing --------------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
         """End the sequence if the server may still hold it (bounded, best effort). Idempotent.
 
-        The closing request re-sends the last step's inputs with END (see the module docstring); a caller
-        cancelled while it runs does not stop it.
+        The closing request carries END and no inputs when the model allows it, else the last step's inputs
+        (see the module docstring); a caller cancelled while it runs does not stop it.
         """
         if self._loss is None:
             self._ended = True
@@ -386,6 +437,8 @@ class SequenceSession:
         if not self._needs_end or request is None:
             return
         self._needs_end = False  # idempotent: a second aclose() sends nothing
+        if self._end_only:
+            request = build_request(self._spec, None, None)
         task = asyncio.get_running_loop().create_task(self._send_closing(request))
         _CLOSING.add(task)
         task.add_done_callback(_CLOSING.discard)
@@ -396,7 +449,18 @@ class SequenceSession:
             # Behind any step still queued on the lock, so the END really is the sequence's last request.
             async with asyncio.timeout(self._end_timeout_s), self._lock:
                 # Nothing acknowledged yet: START+END resets and frees whatever reached the server.
-                await self._send(request, start=self._acked == 0, end=True, timeout_s=self._end_timeout_s)
+                route: Route = self._route
+                responses = self._caller.call(
+                    request,
+                    timeout_s=self._end_timeout_s,
+                    route=route,
+                    many=self._spec.decoupled,
+                    sequence_id=self._id,
+                    sequence_start=self._acked == 0,
+                    sequence_end=True,
+                )
+                async for _ in responses:
+                    pass
         except (TritonError, TimeoutError) as err:
             _log.debug("closing request of sequence %r failed (best effort): %s", self._id, err)
 

@@ -1,14 +1,50 @@
-"""What the client needs from a transport. Admin answers are plain JSON-like dicts, normalised per protocol."""
+"""The transport seam: one call primitive for inference, plus admin calls answered as plain JSON-like dicts.
+
+Every inference request (stateless, a sequence step, a decoupled request) goes through :meth:`Transport.call`,
+which returns :class:`Responses`: an async iterator of results that a unary call ends after one, and a
+decoupled request after the response carrying Triton's final flag. What lies above (plain ``infer``, sessions,
+coalescing) only sees this protocol, so a transport given through ``Client(transport=...)`` can stream too.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, Self
 
 from .._wire import InferRequest, InferResult
 
-__all__ = ["Transport", "server_timeout_us"]
+__all__ = ["Json", "OnSend", "Responses", "Route", "Transport", "server_timeout_us"]
 
 Json = dict[str, Any]
+
+# How one request travels:
+#   "unary"   one RPC / HTTP request, one response;
+#   "shared"  one message on the client's long-lived multiplexed gRPC stream (many requests share it, so a
+#             request cannot be cancelled on the server alone);
+#   "own"     its own gRPC ModelStreamInfer call: cancelling it cancels that request on the server.
+Route = Literal["unary", "shared", "own"]
+
+# Called once, right before the request leaves this process (after any wait for a connection or a stream slot):
+# the session layer checks idleness there, not when the caller asked.
+OnSend = Callable[[], None]
+
+
+class Responses(Protocol):
+    """The answers to one request, in order; closing (or cancelling the reader) stops listening.
+
+    For the ``"own"`` route closing also cancels the call on the server; on the ``"shared"`` stream later
+    answers are dropped; a unary call cannot be stopped once sent except by cancelling the awaiting task.
+    """
+
+    def __aiter__(self) -> Self: ...
+
+    async def __anext__(self) -> InferResult: ...
+
+    async def single(self) -> InferResult:
+        """The one response of a request that expects exactly one (fewer or more raise)."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
 class Transport(Protocol):
@@ -19,17 +55,30 @@ class Transport(Protocol):
         """``"grpc"`` or ``"http"``."""
         ...
 
-    async def infer(
+    @property
+    def can_stream(self) -> bool:
+        """Whether the ``"shared"`` and ``"own"`` routes exist (gRPC: yes; HTTP: no)."""
+        ...
+
+    def call(
         self,
         request: InferRequest,
         *,
         timeout_s: float | None,
+        route: Route = "unary",
+        many: bool = False,
         request_id: str = "",
         sequence_id: int | str | None = None,
         sequence_start: bool = False,
         sequence_end: bool = False,
-    ) -> InferResult:
-        """Send one request; ``timeout_s`` is both the client deadline and Triton's server-side timeout."""
+        on_send: OnSend | None = None,
+    ) -> Responses:
+        """Send ``request``; nothing is awaited until the responses are read.
+
+        ``timeout_s`` bounds the whole exchange on the client and, for stateless requests, is Triton's
+        server-side timeout too. ``many``: a decoupled model may answer several times and ends with the final
+        flag (streamed routes only). ``route`` is checked against :attr:`can_stream`.
+        """
         ...
 
     async def is_server_live(self, *, timeout_s: float | None) -> bool: ...

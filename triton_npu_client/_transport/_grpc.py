@@ -1,27 +1,27 @@
-"""gRPC transport: tritonclient's aio client for admin calls, the generated stub for inference.
+"""gRPC transport: one channel, tritonclient's generated stub and protobufs for every call.
 
-Inference skips tritonclient's per-call work (building ``InferInput`` objects, re-encoding parameters): an
-:class:`InferRequest` already holds the ``ModelInferRequest`` protobuf, which goes straight to
-``GRPCInferenceServiceStub.ModelInfer``. The channel, stub and call metadata are public so the stream
-multiplexer can open ``ModelStreamInfer`` on the same connection.
+Inference skips tritonclient's per-call work (``InferInput`` objects, re-encoded parameters): an
+:class:`InferRequest` already holds the ``ModelInferRequest`` protobuf. Admin calls go through the same stub on the
+same channel (tritonclient's aio client would open a second channel) and come back as JSON-like dicts, the same
+shape tritonclient's ``as_json=True`` gives, with fields at their protobuf default spelled out.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import grpc
-import tritonclient.grpc.aio as grpcclient
+from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from .._errors import ConnectError, ServerUnavailable
+from .._errors import ClientClosedError, ConnectError, ServerUnavailable, TritonError, UsageError
 from .._errors._classify import map_error
 from .._wire import InferRequest, InferResult
-from ._base import Json, server_timeout_us
+from ._base import Json, OnSend, Responses, Route, server_timeout_us
 from ._options import TLSConfig
-from ._stream import StreamMultiplexer
+from ._stream import METHOD, OwnStreamCall, StreamMultiplexer
 
 __all__ = ["DEFAULT_CHANNEL_OPTIONS", "GrpcTransport"]
 
@@ -29,22 +29,89 @@ _log = logging.getLogger("triton_npu_client.grpc")
 
 _INT32_MAX: Final = 2**31 - 1
 
-# tritonclient's own defaults (2 GB messages; keepalive as KeepAliveOptions()). tritonclient REPLACES them
-# all when any channel_args are given; this transport merges the caller's options over them instead.
+# Merged under the caller's channel options (tritonclient replaces all its defaults when any are given).
+# Keepalive: a long-lived stream on a half-open connection would otherwise wait forever; a ping every 20 s
+# that is not answered within 10 s fails the connection, so pending requests fail and the next one reconnects.
+# At most 2 pings without data: Triton's default policy (5 min between data-less pings, 2 strikes) never
+# answers an idle client's pings with GOAWAY.
 DEFAULT_CHANNEL_OPTIONS: Final[Mapping[str, Any]] = {
     "grpc.max_send_message_length": _INT32_MAX,
     "grpc.max_receive_message_length": _INT32_MAX,
-    "grpc.keepalive_time_ms": _INT32_MAX,
-    "grpc.keepalive_timeout_ms": 20000,
-    "grpc.keepalive_permit_without_calls": False,
+    "grpc.keepalive_time_ms": 20_000,
+    "grpc.keepalive_timeout_ms": 10_000,
+    "grpc.keepalive_permit_without_calls": 0,
     "grpc.http2.max_pings_without_data": 2,
 }
 
 
+def _to_dict(message: Any) -> Json:
+    return dict(
+        json_format.MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    )
+
+
+class _UnaryCall:
+    """One ``ModelInfer`` RPC: the one response, sent when first awaited."""
+
+    __slots__ = ("_done", "_on_send", "_proto", "_request", "_sequence_id", "_timeout_s", "_transport")
+
+    def __init__(
+        self,
+        transport: GrpcTransport,
+        request: InferRequest,
+        proto: Any,
+        sequence_id: int | str | None,
+        timeout_s: float | None,
+        on_send: OnSend | None,
+    ) -> None:
+        self._transport = transport
+        self._request = request
+        self._proto = proto
+        self._sequence_id = sequence_id
+        self._timeout_s = timeout_s
+        self._on_send = on_send
+        self._done = False
+
+    async def single(self) -> InferResult:
+        if self._done:
+            raise UsageError("this request's answer was already read")
+        self._done = True
+        if self._on_send is not None:
+            self._on_send()
+        transport = self._transport
+        try:
+            # Cancelling the awaiting task cancels this call: grpc.aio turns CancelledError into an RPC cancel.
+            response = await transport._stub.ModelInfer(
+                self._proto, metadata=transport._metadata, timeout=self._timeout_s
+            )
+        except grpc.RpcError as err:
+            request = self._request
+            raise transport._map(
+                err,
+                model=request.model,
+                version=request.version or None,
+                request_id=self._proto.id,
+                sequence_id=self._sequence_id,
+            ) from err
+        return InferResult.from_grpc(response)
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> InferResult:
+        if self._done:
+            raise StopAsyncIteration
+        return await self.single()
+
+    async def aclose(self) -> None:
+        self._done = True
+
+
 class GrpcTransport:
-    """One gRPC channel to ``target`` (``host:port``)."""
+    """One gRPC channel to ``target`` (``host:port``); ``streams`` long-lived streams for the shared route."""
 
     protocol: Final = "grpc"
+    can_stream: Final = True
 
     def __init__(
         self,
@@ -53,11 +120,13 @@ class GrpcTransport:
         headers: Mapping[str, str] | None = None,
         tls: TLSConfig | None = None,
         channel_options: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
+        streams: int = 1,
     ) -> None:
+        if streams < 1:
+            raise UsageError(f"streams must be >= 1, got {streams}")
         self.target = target
-        self._headers = dict(headers or {})
         # gRPC metadata keys must be lowercase.
-        self._metadata: tuple[tuple[str, str], ...] = tuple((k.lower(), v) for k, v in self._headers.items())
+        self._metadata: tuple[tuple[str, str], ...] = tuple((k.lower(), v) for k, v in dict(headers or {}).items())
         merged = dict(DEFAULT_CHANNEL_OPTIONS)
         merged.update(dict(channel_options or {}))
         if tls is not None and tls.server_name:
@@ -69,23 +138,20 @@ class GrpcTransport:
         else:
             self._channel = grpc.aio.insecure_channel(target, options=self.channel_options)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._own_stream = self._channel.stream_stream(
+            METHOD, request_serializer=None, response_deserializer=service_pb2.ModelStreamInferResponse.FromString
+        )
+        self._streams = streams
         self._mux: StreamMultiplexer | None = None
-        self._admin = grpcclient.InferenceServerClient(target, creds=creds, channel_args=list(self.channel_options))
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"<GrpcTransport {self.target}>"
 
-    # -- for the stream multiplexer -----------------------------------------------------------------
-
     @property
     def channel(self) -> grpc.aio.Channel:
-        """The ``grpc.aio.Channel`` inference runs on."""
+        """The one ``grpc.aio.Channel`` every call of this transport runs on."""
         return self._channel
-
-    @property
-    def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
-        """The generated ``GRPCInferenceServiceStub`` on :attr:`channel`."""
-        return self._stub
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -94,10 +160,10 @@ class GrpcTransport:
 
     # -- errors -------------------------------------------------------------------------------------
 
-    def _map(self, err: BaseException, **ctx: Any) -> Exception:
+    def _map(self, err: BaseException, **ctx: Any) -> TritonError:
         mapped = map_error(err, **ctx)
-        # UNAVAILABLE also means "restricted protocol" or "shutting down"; only the channel's own state says
-        # whether there was no connection at all (not the message text).
+        # UNAVAILABLE also means "shutting down"; only the channel's own state says whether there was no
+        # connection at all.
         if type(mapped) is ServerUnavailable:
             state = self._channel.get_state(try_to_connect=False)
             if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE):
@@ -111,105 +177,114 @@ class GrpcTransport:
                 )
         return mapped
 
-    # -- inference ----------------------------------------------------------------------------------
+    # -- inference: the one call primitive ----------------------------------------------------------
 
-    async def infer(
+    def multiplexer(self) -> StreamMultiplexer:
+        """The shared-stream multiplexer on this channel: made on first use, closed with the transport."""
+        if self._mux is None or self._mux.is_closed:
+            self._mux = StreamMultiplexer(self._channel, streams=self._streams, metadata=self._metadata)
+        return self._mux
+
+    def call(
         self,
         request: InferRequest,
         *,
         timeout_s: float | None,
+        route: Route = "unary",
+        many: bool = False,
         request_id: str = "",
         sequence_id: int | str | None = None,
         sequence_start: bool = False,
         sequence_end: bool = False,
-    ) -> InferResult:
-        """Send the prebuilt protobuf; the deadline is also Triton's server-side ``timeout`` parameter."""
+        on_send: OnSend | None = None,
+    ) -> Responses:
+        if self._closed:
+            raise ClientClosedError(f"the gRPC connection to {self.target} is closed")
+        if route == "unary":
+            if many:
+                raise UsageError(
+                    f"model {request.model!r}: a request answered by several responses needs a streamed route",
+                    model=request.model,
+                )
+            proto = request.to_grpc(
+                request_id=request_id,
+                sequence_id=sequence_id,
+                sequence_start=sequence_start,
+                sequence_end=sequence_end,
+                timeout_us=server_timeout_us(timeout_s, sequence_id),
+            )
+            return _UnaryCall(self, request, proto, sequence_id, timeout_s, on_send)
+        # Streamed requests get a fresh protobuf: the stream sets the id (and the empty-final opt-in) on it.
         proto = request.to_grpc(
-            request_id=request_id,
+            request_id="-",
             sequence_id=sequence_id,
             sequence_start=sequence_start,
             sequence_end=sequence_end,
             timeout_us=server_timeout_us(timeout_s, sequence_id),
         )
+        if route == "shared":
+            return self.multiplexer().call(proto, key=sequence_id, many=many, timeout_s=timeout_s, on_send=on_send)
+        if route == "own":
+            return OwnStreamCall(
+                self._own_stream, proto, metadata=self._metadata, many=many, timeout_s=timeout_s, on_send=on_send
+            )
+        raise UsageError(f"unknown route {route!r}")
+
+    # -- admin ----------------------------------------------------------------------------------------
+
+    async def _admin(self, method: str, request: Any, timeout_s: float | None, **ctx: Any) -> Any:
         try:
-            # Cancelling the awaiting task cancels this call: grpc.aio turns CancelledError into an RPC cancel.
-            response = await self._stub.ModelInfer(proto, metadata=self._metadata, timeout=timeout_s)
+            return await getattr(self._stub, method)(request, metadata=self._metadata, timeout=timeout_s)
         except grpc.RpcError as err:
-            raise self._map(
-                err, model=request.model, version=request.version, request_id=request_id, sequence_id=sequence_id
-            ) from err
-        return InferResult.from_grpc(response)
-
-    # -- admin (tritonclient) -----------------------------------------------------------------------
-
-    async def _call(self, coro: Any, **ctx: Any) -> Any:
-        from tritonclient.utils import InferenceServerException
-
-        try:
-            return await coro
-        except (InferenceServerException, grpc.RpcError) as err:
             raise self._map(err, **ctx) from err
 
     async def is_server_live(self, *, timeout_s: float | None) -> bool:
-        return bool(await self._call(self._admin.is_server_live(headers=self._headers, client_timeout=timeout_s)))
+        answer = await self._admin("ServerLive", service_pb2.ServerLiveRequest(), timeout_s)
+        return bool(answer.live)
 
     async def is_server_ready(self, *, timeout_s: float | None) -> bool:
-        return bool(await self._call(self._admin.is_server_ready(headers=self._headers, client_timeout=timeout_s)))
+        answer = await self._admin("ServerReady", service_pb2.ServerReadyRequest(), timeout_s)
+        return bool(answer.ready)
 
     async def is_model_ready(self, name: str, version: str, *, timeout_s: float | None) -> bool:
-        coro = self._admin.is_model_ready(name, version, headers=self._headers, client_timeout=timeout_s)
-        return bool(await self._call(coro, model=name, version=version or None))
+        request = service_pb2.ModelReadyRequest(name=name, version=version)
+        answer = await self._admin("ModelReady", request, timeout_s, model=name, version=version or None)
+        return bool(answer.ready)
 
     async def server_metadata(self, *, timeout_s: float | None) -> Json:
-        coro = self._admin.get_server_metadata(headers=self._headers, as_json=True, client_timeout=timeout_s)
-        return dict(await self._call(coro))
+        return _to_dict(await self._admin("ServerMetadata", service_pb2.ServerMetadataRequest(), timeout_s))
 
     async def model_metadata(self, name: str, version: str, *, timeout_s: float | None) -> Json:
-        coro = self._admin.get_model_metadata(
-            name, version, headers=self._headers, as_json=True, client_timeout=timeout_s
-        )
-        return dict(await self._call(coro, model=name, version=version or None))
+        request = service_pb2.ModelMetadataRequest(name=name, version=version)
+        return _to_dict(await self._admin("ModelMetadata", request, timeout_s, model=name, version=version or None))
 
     async def model_config(self, name: str, version: str, *, timeout_s: float | None) -> Json:
-        coro = self._admin.get_model_config(
-            name, version, headers=self._headers, as_json=True, client_timeout=timeout_s
-        )
-        answer = await self._call(coro, model=name, version=version or None)
-        return dict(answer.get("config", answer))
+        request = service_pb2.ModelConfigRequest(name=name, version=version)
+        answer = await self._admin("ModelConfig", request, timeout_s, model=name, version=version or None)
+        return dict(_to_dict(answer).get("config", {}))
 
     async def repository_index(self, *, timeout_s: float | None) -> list[Json]:
-        coro = self._admin.get_model_repository_index(headers=self._headers, as_json=True, client_timeout=timeout_s)
-        answer = await self._call(coro)
-        return [dict(m) for m in answer.get("models", ())]
+        answer = await self._admin("RepositoryIndex", service_pb2.RepositoryIndexRequest(), timeout_s)
+        return [dict(m) for m in _to_dict(answer).get("models", ())]
 
     async def load_model(self, name: str, *, timeout_s: float | None) -> None:
-        await self._call(self._admin.load_model(name, headers=self._headers, client_timeout=timeout_s), model=name)
+        await self._admin("RepositoryModelLoad", service_pb2.RepositoryModelLoadRequest(model_name=name), timeout_s,
+                          model=name)
 
     async def unload_model(self, name: str, *, timeout_s: float | None) -> None:
-        await self._call(self._admin.unload_model(name, headers=self._headers, client_timeout=timeout_s), model=name)
+        request = service_pb2.RepositoryModelUnloadRequest(model_name=name)
+        await self._admin("RepositoryModelUnload", request, timeout_s, model=name)
 
     async def inference_statistics(self, name: str, version: str, *, timeout_s: float | None) -> list[Json]:
-        coro = self._admin.get_inference_statistics(
-            name, version, headers=self._headers, as_json=True, client_timeout=timeout_s
-        )
-        answer = await self._call(coro, model=name, version=version or None)
-        return [dict(m) for m in answer.get("model_stats", ())]
-
-    def multiplexer(self, *, streams: int = 1) -> StreamMultiplexer:
-        """The stream multiplexer on this channel: made on first use, closed with the transport."""
-        if self._mux is None or self._mux.is_closed:
-            self._mux = StreamMultiplexer(self._channel, streams=streams, metadata=self._metadata)
-        return self._mux
+        request = service_pb2.ModelStatisticsRequest(name=name, version=version)
+        answer = await self._admin("ModelStatistics", request, timeout_s, model=name, version=version or None)
+        return [dict(m) for m in _to_dict(answer).get("model_stats", ())]
 
     async def aclose(self) -> None:
-        """Close the multiplexer (pending steps fail with ClientClosedError) and both channels; idempotent."""
+        """Close the multiplexer (pending requests fail with ClientClosedError) and the channel; idempotent."""
+        self._closed = True
         try:
             if self._mux is not None:
                 await self._mux.aclose()
-            await self._admin.close()
         finally:
             await self._channel.close()
-
-
-# Re-exported for the stream multiplexer's type hints.
-ModelInferRequest = service_pb2.ModelInferRequest

@@ -3,31 +3,104 @@
 tritonclient's HTTP client has one total ``conn_timeout`` for every request and no per-call client timeout,
 so the session gets no total limit and each call runs under its own ``asyncio.timeout``.
 
+Connections: aiohttp opens at most ``connections`` at once and queues the rest silently. This transport holds a
+semaphore of the same size in front of it, so a request waits *here*, where it is visible, and the caller's
+``on_send`` runs only when a connection is free: a sequence step that queued past the model's idle timeout is
+warned about when it actually leaves, not when it was asked for.
+
 Cancellation: cancelling the awaiting task closes the HTTP request on the client side, but Triton 2.51 keeps
-running a request it has already accepted over HTTP (seen against the real server); only gRPC cancels the
-request on the server.
+running a request it has already accepted over HTTP; only gRPC cancels the request on the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import tritonclient.http.aio as httpclient
 
+from .._errors import ClientClosedError, UsageError
 from .._errors._classify import map_error
 from .._wire import InferRequest, InferResult
-from ._base import Json, server_timeout_us
+from ._base import Json, OnSend, Responses, Route, server_timeout_us
 from ._options import TLSConfig
 
-__all__ = ["HttpTransport"]
+__all__ = ["DEFAULT_HTTP_CONNECTIONS", "HttpTransport"]
+
+# Enough for hundreds of concurrent sessions (one step in flight each) without queueing on this side.
+DEFAULT_HTTP_CONNECTIONS: Final = 1024
+
+
+class _HttpCall:
+    """One HTTP inference request: the one response, sent when first awaited."""
+
+    __slots__ = ("_done", "_kwargs", "_on_send", "_request", "_timeout_s", "_transport")
+
+    def __init__(
+        self,
+        transport: HttpTransport,
+        request: InferRequest,
+        timeout_s: float | None,
+        on_send: OnSend | None,
+        kwargs: dict[str, Any],
+    ) -> None:
+        self._transport = transport
+        self._request = request
+        self._timeout_s = timeout_s
+        self._on_send = on_send
+        self._kwargs = kwargs
+        self._done = False
+
+    async def single(self) -> InferResult:
+        if self._done:
+            raise UsageError("this request's answer was already read")
+        self._done = True
+        transport = self._transport
+        request = self._request
+        kwargs = self._kwargs
+        ctx = {
+            "model": request.model,
+            "version": request.version or None,
+            "request_id": kwargs["request_id"],
+            "sequence_id": kwargs["sequence_id"] or None,
+        }
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with transport._connections:
+                    if self._on_send is not None:
+                        self._on_send()
+                    result = await transport._client.infer(
+                        request.model,
+                        request.http_inputs(),
+                        model_version=request.version,
+                        outputs=request.http_outputs(),
+                        # A copy: tritonclient writes Inference-Header-Content-Length into the dict it is given,
+                        # and a stale value breaks the next request that has no binary data (an END-only step).
+                        headers=dict(transport._headers) if transport._headers else None,
+                        **kwargs,
+                    )
+        except Exception as err:
+            raise transport._mapped(err, ctx) from err
+        return InferResult.from_http(result)
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> InferResult:
+        if self._done:
+            raise StopAsyncIteration
+        return await self.single()
+
+    async def aclose(self) -> None:
+        self._done = True
 
 
 class HttpTransport:
-    """One aiohttp session to ``target`` (``host:port``)."""
+    """One aiohttp session to ``target`` (``host:port``) with at most ``connections`` open at once."""
 
     protocol: Final = "http"
+    can_stream: Final = False
 
     def __init__(
         self,
@@ -35,65 +108,77 @@ class HttpTransport:
         *,
         headers: Mapping[str, str] | None = None,
         tls: TLSConfig | None = None,
+        connections: int = DEFAULT_HTTP_CONNECTIONS,
     ) -> None:
+        if connections < 1:
+            raise UsageError(f"connections must be >= 1, got {connections}")
         self.target = target
+        self.connections = connections
         self._headers = dict(headers or {})
         self._client = httpclient.InferenceServerClient(
             target,
+            conn_limit=connections,
             conn_timeout=None,
             ssl=tls is not None,
             ssl_context=tls.ssl_context() if tls is not None else None,
         )
+        self._connections = asyncio.Semaphore(connections)
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"<HttpTransport {self.target}>"
 
-    async def _call(self, coro: Any, timeout_s: float | None, **ctx: Any) -> Any:
+    @staticmethod
+    def _mapped(err: BaseException, ctx: Mapping[str, Any]) -> BaseException:
         from tritonclient.utils import InferenceServerException
 
+        if isinstance(err, InferenceServerException | TimeoutError | OSError):
+            return map_error(err, **ctx)
+        import aiohttp
+
+        if isinstance(err, aiohttp.ClientError):
+            return map_error(err, **ctx)
+        return err
+
+    async def _call(self, coro: Any, timeout_s: float | None, **ctx: Any) -> Any:
         try:
             async with asyncio.timeout(timeout_s):
                 return await coro
-        except (InferenceServerException, TimeoutError, OSError) as err:
-            raise map_error(err, **ctx) from err
         except Exception as err:
-            import aiohttp
+            mapped = self._mapped(err, ctx)
+            if mapped is err:
+                raise
+            raise mapped from err
 
-            if isinstance(err, aiohttp.ClientError):
-                raise map_error(err, **ctx) from err
-            raise
-
-    async def infer(
+    def call(
         self,
         request: InferRequest,
         *,
         timeout_s: float | None,
+        route: Route = "unary",
+        many: bool = False,
         request_id: str = "",
         sequence_id: int | str | None = None,
         sequence_start: bool = False,
         sequence_end: bool = False,
-    ) -> InferResult:
-        coro = self._client.infer(
-            request.model,
-            request.http_inputs(),
-            model_version=request.version,
-            outputs=request.http_outputs(),
-            request_id=request_id,
-            sequence_id=sequence_id if sequence_id is not None else 0,
-            sequence_start=sequence_start,
-            sequence_end=sequence_end,
-            timeout=server_timeout_us(timeout_s, sequence_id),
-            headers=self._headers,
-        )
-        result = await self._call(
-            coro,
-            timeout_s,
-            model=request.model,
-            version=request.version or None,
-            request_id=request_id,
-            sequence_id=sequence_id,
-        )
-        return InferResult.from_http(result)
+        on_send: OnSend | None = None,
+    ) -> Responses:
+        if self._closed:
+            raise ClientClosedError(f"the HTTP connection to {self.target} is closed")
+        if route != "unary" or many:
+            raise UsageError(
+                f"model {request.model!r}: HTTP has no streamed route (Triton serves decoupled models only over the "
+                "gRPC stream); use a grpc:// client",
+                model=request.model,
+            )
+        kwargs = {
+            "request_id": request_id,
+            "sequence_id": sequence_id if sequence_id is not None else 0,
+            "sequence_start": sequence_start,
+            "sequence_end": sequence_end,
+            "timeout": server_timeout_us(timeout_s, sequence_id),
+        }
+        return _HttpCall(self, request, timeout_s, on_send, kwargs)
 
     async def is_server_live(self, *, timeout_s: float | None) -> bool:
         return bool(await self._call(self._client.is_server_live(headers=self._headers), timeout_s))
@@ -134,4 +219,5 @@ class HttpTransport:
 
     async def aclose(self) -> None:
         """Close the aiohttp session; safe to call twice."""
+        self._closed = True
         await self._client.close()

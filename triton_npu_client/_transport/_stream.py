@@ -1,173 +1,70 @@
-"""One long-lived gRPC ``ModelStreamInfer`` stream (or a small pool) carrying many requests at once.
+"""gRPC streaming: the multiplexer (many requests on one long-lived ``ModelStreamInfer`` stream) and one request
+on a call of its own.
 
-Why: a sequence step over unary gRPC pays a whole RPC (headers, a new HTTP/2 stream, a deadline) per
-step; over one bidirectional stream it is one message each way. The multiplexer feeds each stream from an
-:class:`asyncio.Queue` through a request iterator that only ends on close, runs one reader task per stream,
-gives every request a unique ``id`` and hands each response to the waiter registered under
-``infer_response.id``.
+Why a shared stream: a request over unary gRPC pays a whole RPC (headers, a new HTTP/2 stream, a deadline); on
+one bidirectional stream it is one message each way. Why a call of its own: Triton cancels work per gRPC call,
+so a request that must be cancellable alone (a streamed session step) cannot share a stream.
 
-Facts that shape it (Triton 2.51, see TRITON_FACTS.md):
+Facts that shape the multiplexer (Triton 2.51; ``docs/triton-facts.md``):
 
-- For non-decoupled models one stream answers in request order across *all* its requests, so a slow
-  request holds up everything behind it on that stream. A pool of streams, chosen by a caller's
-  affinity key (a sequence id, so one sequence's steps stay on one stream, in order), limits that.
 - Per-request errors arrive as text in ``error_message`` with the request's id; the stream goes on.
-- An exception raised inside the request iterator is swallowed by grpc and turns into a cancellation,
-  so requests are serialised (hence validated) in the caller, before they are queued. Serialising
-  early also means a caller may reuse or mutate its protobuf as soon as the call returns.
-- A stream-level failure (server gone) ends the call with ``grpc.aio.AioRpcError``: every request pending
-  on that stream fails with a transport error, and the next request opens a fresh stream.
+- An exception raised inside grpc's request iterator is swallowed and becomes a cancellation, so requests are
+  serialised in the caller, before they are queued.
+- A stream-level failure ends the call with ``grpc.aio.AioRpcError``: every request pending on that stream fails
+  with a transport error, and the next request opens a fresh stream.
 
-Mapping of error text and status codes lives in :mod:`triton_npu_client._errmap` (the one place);
-the reader task only routes responses, the waiting caller maps, so the reader stays cheap.
+Everything is bounded: requests in flight per multiplexer (callers wait for a slot, *before* the request counts
+as sent), the queue feeding each stream, and the answers buffered for one multi-response request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
-from types import TracebackType
 from typing import Any, Final, Self
 
 import grpc
 from tritonclient.grpc import service_pb2
 
-from .._errors import ClientClosedError, ConnectError, RequestTimeout, TritonError
+from .._errors import ClientClosedError, ConnectError, InternalServerError, RequestTimeout, TritonError, UsageError
 from .._errors._classify import map_error, map_stream_error
+from .._wire import InferResult
+from ._base import OnSend
 
-__all__ = ["ResponseStream", "StreamMultiplexer"]
+__all__ = ["OwnStreamCall", "SharedStreamCall", "StreamMultiplexer", "is_final", "request_payload"]
 
 _log = logging.getLogger("triton_npu_client.stream")
 
-_METHOD: Final = "/inference.GRPCInferenceService/ModelStreamInfer"
+METHOD: Final = "/inference.GRPCInferenceService/ModelStreamInfer"
 _FINAL_PARAM: Final = "triton_final_response"
 _ENABLE_EMPTY_FINAL: Final = "triton_enable_empty_final_response"
 _END_OF_REQUESTS: Final = object()
+
+DEFAULT_MAX_PENDING: Final = 8192
+_SEND_QUEUE: Final = 256
+MAX_BUFFERED_RESPONSES: Final = 4096
 
 ModelInferRequest = service_pb2.ModelInferRequest
 ModelInferResponse = service_pb2.ModelInferResponse
 
 
-class _Waiter:
-    """Where the reader delivers the answers to one request: a future (one response) or a queue (many)."""
-
-    __slots__ = ("future", "model", "queue", "request_id", "sequence_id")
-
-    def __init__(
-        self,
-        *,
-        request_id: str,
-        model: str,
-        sequence_id: int | str | None,
-        future: asyncio.Future[Any] | None = None,
-        queue: asyncio.Queue[Any] | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.sequence_id = sequence_id
-        self.future = future
-        self.queue = queue
-
-
-class _Stream:
-    """One ``ModelStreamInfer`` call, its request queue, its reader task and the requests pending on it."""
-
-    def __init__(self, mux: StreamMultiplexer, index: int) -> None:
-        self.index = index
-        self.pending: dict[str, _Waiter] = {}
-        self.alive = True
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self._mux = mux
-        self._call = mux._open_call(self._requests())
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"triton-stream-reader-{index}")
-
-    async def _requests(self) -> AsyncIterator[bytes]:
-        # Ends only on close: a stream whose iterator ends is half-closed and takes no further requests.
-        queue = self._queue
-        while True:
-            item = await queue.get()
-            if item is _END_OF_REQUESTS:
-                return
-            yield item  # type: ignore[misc]
-
-    def send(self, waiter: _Waiter, payload: bytes) -> None:
-        self.pending[waiter.request_id] = waiter
-        self._queue.put_nowait(payload)
-
-    async def _read(self) -> None:
-        try:
-            async for message in self._call:
-                self._route(message)
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as err:
-            _log.debug("stream %d failed: %s", self.index, err)
-            self._fail(_stream_failure(err), cause=err)
-        except Exception as err:  # pragma: no cover - grpc raising something else is a grpc bug
-            self._fail(ConnectError(f"The gRPC stream failed: {err!r}"), cause=err)
-        else:
-            # The server ended the call on its own (e.g. shutting down): whatever is pending is lost.
-            self._fail(ConnectError("The server ended the gRPC stream."), cause=None)
-
-    def _route(self, message: Any) -> None:
-        response = message.infer_response
-        waiter = self.pending.get(response.id)
-        if waiter is None:
-            # Its caller was cancelled or timed out: the answer is dropped, as documented.
-            return
-        if waiter.future is not None:
-            del self.pending[response.id]
-            if not waiter.future.done():
-                waiter.future.set_result(message)
-            return
-        assert waiter.queue is not None
-        if message.error_message or _is_final(response):
-            del self.pending[response.id]
-        waiter.queue.put_nowait(message)
-
-    def _fail(self, error: TritonError, *, cause: BaseException | None) -> None:
-        if self.alive:
-            # Let the request iterator finish on its own: grpc's task may be suspended inside it (awaiting the
-            # queue), and a generator finalised there logs "asynchronous generator is already running".
-            self._queue.put_nowait(_END_OF_REQUESTS)
-        self.alive = False
-        pending, self.pending = self.pending, {}
-        for waiter in pending.values():
-            exc = _with_context(error, waiter)
-            exc.__cause__ = cause
-            if waiter.future is not None:
-                if not waiter.future.done():
-                    waiter.future.set_exception(exc)
-            elif waiter.queue is not None:
-                waiter.queue.put_nowait(exc)
-        self._call.cancel()
-
-    async def aclose(self) -> None:
-        self._fail(ClientClosedError("The stream multiplexer was closed."), cause=None)
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
-
-
-def _stream_failure(err: grpc.aio.AioRpcError) -> TritonError:
-    """The error for requests pending on a stream that ``err`` ended.
-
-    A dead server shows up as UNAVAILABLE, or as INTERNAL / UNKNOWN when grpc fails to write to the
-    broken connection first: for a whole stream those mean "the stream broke", a transport failure,
-    not a server-side refusal. Any other status keeps its ordinary mapping (e.g. a missing API key).
-    """
-    code = err.code()
-    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
-        return ConnectError(f"The gRPC stream broke ({code.name}): {err.details()}", status=code.name)
-    return map_error(err)
-
-
-def _is_final(response: Any) -> bool:
+def is_final(response: Any) -> bool:
     params = response.parameters
     return _FINAL_PARAM in params and bool(params[_FINAL_PARAM].bool_param)
+
+
+def request_payload(request: Any, *, request_id: str, many: bool) -> bytes:
+    """Serialise ``request`` with its id (and, for a multi-response request, the empty-final opt-in)."""
+    request.id = request_id
+    if not many:
+        return bytes(request.SerializeToString())
+    request.parameters[_ENABLE_EMPTY_FINAL].bool_param = True
+    try:
+        return bytes(request.SerializeToString())
+    finally:
+        del request.parameters[_ENABLE_EMPTY_FINAL]
 
 
 def _sequence_id(request: Any) -> int | str | None:
@@ -183,32 +80,157 @@ def _sequence_id(request: Any) -> int | str | None:
     return None
 
 
-def _with_context(error: TritonError, waiter: _Waiter) -> TritonError:
-    """A copy of a stream-wide error that names the request it failed."""
-    exc = type(error)(
-        error.message,
-        model=waiter.model,
-        request_id=waiter.request_id,
-        status=error.status,
-        sequence_id=waiter.sequence_id,
+def _stream_failure(err: grpc.aio.AioRpcError) -> TritonError:
+    """The error for requests pending on a stream that ``err`` ended.
+
+    A dead server shows up as UNAVAILABLE, or as INTERNAL / UNKNOWN / CANCELLED when grpc fails to write to the
+    broken connection first: for a whole stream those mean "the stream broke", a transport failure, not a
+    server-side refusal. Any other status keeps its ordinary mapping (e.g. a missing API key).
+    """
+    code = err.code()
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
+        return ConnectError(f"The gRPC stream broke ({code.name}): {err.details()}", status=code.name)
+    return map_error(err)
+
+
+def _copy_for(error: TritonError, *, model: str, request_id: str, sequence_id: int | str | None) -> TritonError:
+    """A stream-wide error as an exception of its own for one request (callers never share an instance)."""
+    return type(error)(error.message, model=model, request_id=request_id, status=error.status, sequence_id=sequence_id)
+
+
+def _timeout(model: str, request_id: str, sequence_id: int | str | None, timeout_s: float | None) -> RequestTimeout:
+    return RequestTimeout(
+        f"model {model!r}: no answer within {timeout_s} s on the gRPC stream",
+        model=model,
+        request_id=request_id,
+        status="DEADLINE_EXCEEDED",
+        sequence_id=sequence_id,
     )
-    return exc
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+
+
+class _Waiter:
+    """Where the reader delivers the answers to one request: a future (one response) or a bounded queue (many)."""
+
+    __slots__ = ("future", "model", "queue", "sequence_id")
+
+    def __init__(self, *, many: bool, model: str, sequence_id: int | str | None) -> None:
+        self.model = model
+        self.sequence_id = sequence_id
+        self.future: asyncio.Future[Any] | None = None if many else asyncio.get_running_loop().create_future()
+        self.queue: asyncio.Queue[Any] | None = asyncio.Queue() if many else None
+
+
+class _Stream:
+    """One ``ModelStreamInfer`` call, its request queue, its reader task and the requests pending on it."""
+
+    def __init__(self, mux: StreamMultiplexer, index: int) -> None:
+        self.index = index
+        self.pending: dict[str, _Waiter] = {}
+        self.alive = True
+        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=_SEND_QUEUE)
+        self._mux = mux
+        self._call = mux._open_call(self._requests())
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"triton-stream-reader-{index}")
+
+    async def _requests(self) -> AsyncIterator[bytes]:
+        # Ends only on close: a stream whose iterator ends is half-closed and takes no further requests.
+        queue = self._queue
+        while True:
+            item = await queue.get()
+            if item is _END_OF_REQUESTS:
+                return
+            yield item  # type: ignore[misc]
+
+    async def send(self, request_id: str, waiter: _Waiter, payload: bytes) -> None:
+        self.pending[request_id] = waiter
+        try:
+            await self._queue.put(payload)
+        except BaseException:
+            self.pending.pop(request_id, None)
+            raise
+
+    async def _read(self) -> None:
+        error: TritonError
+        cause: BaseException | None = None
+        try:
+            async for message in self._call:
+                self._route(message)
+        except asyncio.CancelledError:
+            # Cancelled (by aclose, or by someone else): nobody will route answers any more.
+            self._fail(ClientClosedError("The gRPC stream reader was stopped."), cause=None)
+            raise
+        except grpc.aio.AioRpcError as err:
+            _log.debug("stream %d failed: %s", self.index, err)
+            error, cause = _stream_failure(err), err
+        except Exception as err:  # pragma: no cover - grpc raising something else is a grpc bug
+            error, cause = ConnectError(f"The gRPC stream failed: {err!r}"), err
+        else:
+            # The server ended the call on its own (e.g. shutting down): whatever is pending is lost.
+            error = ConnectError("The server ended the gRPC stream.")
+        self._fail(error, cause=cause)
+
+    def _route(self, message: Any) -> None:
+        response = message.infer_response
+        waiter = self.pending.get(response.id)
+        if waiter is None:
+            return  # its caller stopped listening (cancelled, timed out, closed)
+        if waiter.future is not None:
+            del self.pending[response.id]
+            if not waiter.future.done():
+                waiter.future.set_result(message)
+            return
+        queue = waiter.queue
+        assert queue is not None
+        if message.error_message or is_final(response):
+            del self.pending[response.id]
+        elif queue.qsize() >= MAX_BUFFERED_RESPONSES:
+            # The reader cannot wait for one slow consumer without stalling every request on the stream.
+            del self.pending[response.id]
+            message = InternalServerError(
+                f"more than {MAX_BUFFERED_RESPONSES} responses buffered for one request on the shared gRPC stream; "
+                "read a long response stream on a call of its own (a session's stream())",
+                model=response.model_name,
+                request_id=response.id,
+            )
+        queue.put_nowait(message)
+
+    def _fail(self, error: TritonError, *, cause: BaseException | None) -> None:
+        if self.alive:
+            # Let the request iterator finish on its own: grpc's task may be suspended inside it (awaiting the
+            # queue), and a generator finalised there logs "asynchronous generator is already running".
+            self.alive = False
+            try:
+                self._queue.put_nowait(_END_OF_REQUESTS)
+            except asyncio.QueueFull:
+                self._call.cancel()
+        pending, self.pending = self.pending, {}
+        for request_id, waiter in pending.items():
+            exc = _copy_for(error, model=waiter.model, request_id=request_id, sequence_id=waiter.sequence_id)
+            exc.__cause__ = cause
+            if waiter.future is not None:
+                if not waiter.future.done():
+                    waiter.future.set_exception(exc)
+            elif waiter.queue is not None:
+                waiter.queue.put_nowait(exc)
+        self._call.cancel()
+
+    async def aclose(self) -> None:
+        self._fail(ClientClosedError("The stream multiplexer was closed."), cause=None)
+        self._reader.cancel()
+        # asyncio.wait does not raise the reader's CancelledError, so a cancellation of *our* caller still does.
+        await asyncio.wait([self._reader])
 
 
 class StreamMultiplexer:
     """Many concurrent requests over ``streams`` long-lived bidirectional gRPC streams on one channel.
 
-    ::
-
-        mux = StreamMultiplexer(channel, streams=2)
-        response = await mux.infer(request_pb, key=sequence_id)     # one response
-        async with mux.stream(request_pb) as responses:             # decoupled: many, then final
-            async for response in responses: ...
-        await mux.aclose()
-
-    Requests with the same ``key`` travel on the same stream, so Triton receives them in call order.
-    The multiplexer sets each request's ``id`` (the caller's value is overwritten). The channel belongs
-    to the caller: :meth:`aclose` ends the streams, not the channel.
+    Requests with the same ``key`` travel on the same stream, so Triton receives them in the order they are
+    sent. At most ``max_pending`` requests are in flight; more wait for a slot before they are sent. The
+    channel belongs to the caller: :meth:`aclose` ends the streams, not the channel.
     """
 
     def __init__(
@@ -217,12 +239,15 @@ class StreamMultiplexer:
         *,
         streams: int = 1,
         metadata: Sequence[tuple[str, str]] = (),
+        max_pending: int = DEFAULT_MAX_PENDING,
     ) -> None:
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self._multicallable = channel.stream_stream(
-            _METHOD,
-            request_serializer=None,  # we send bytes serialised in the caller (see the module docstring)
+            METHOD,
+            request_serializer=None,  # bytes, serialised by the caller (see the module docstring)
             response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
         )
         self._metadata = tuple(metadata)
@@ -230,10 +255,16 @@ class StreamMultiplexer:
         self._ids = itertools.count(1)
         self._round_robin = itertools.count()
         self._closed = False
+        self._room = asyncio.Semaphore(max_pending)
 
     def __repr__(self) -> str:
         live = sum(1 for s in self._slots if s is not None and s.alive)
         return f"<StreamMultiplexer streams={live}/{len(self._slots)} pending={self.pending_count}>"
+
+    @property
+    def streams(self) -> int:
+        """How many streams requests are spread over."""
+        return len(self._slots)
 
     @property
     def pending_count(self) -> int:
@@ -259,83 +290,20 @@ class StreamMultiplexer:
             self._slots[index] = stream
         return stream
 
-    def _register(self, request: Any, *, key: int | str | None, many: bool) -> tuple[_Stream, _Waiter, bytes]:
-        request_id = str(next(self._ids))
-        request.id = request_id
-        if many:
-            request.parameters[_ENABLE_EMPTY_FINAL].bool_param = True
-        try:
-            payload = request.SerializeToString()
-        finally:
-            if many:
-                del request.parameters[_ENABLE_EMPTY_FINAL]
-        stream = self._slot_for(key)
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(
-            request_id=request_id,
-            model=request.model_name,
-            sequence_id=_sequence_id(request),
-            future=None if many else loop.create_future(),
-            queue=asyncio.Queue() if many else None,
-        )
-        return stream, waiter, payload
-
-    async def infer(
+    def call(
         self,
         request: Any,
         *,
         key: int | str | None = None,
+        many: bool = False,
         timeout_s: float | None = None,
-        steps_acknowledged: int = 0,
-    ) -> Any:
-        """Send one request and return its ``ModelInferResponse``; raise the mapped error on failure.
+        on_send: OnSend | None = None,
+    ) -> SharedStreamCall:
+        """``request`` (a ``ModelInferRequest``) on the shared stream; sent when its answers are first awaited.
 
-        ``key`` pins the stream (same key, same stream, same order). ``timeout_s`` bounds the wait on
-        this side only; the request has already been sent and Triton still runs it (give the request
-        a server-side ``timeout`` parameter to bound that). Cancelling the caller drops the answer.
-        ``steps_acknowledged`` is context for a :class:`SequenceLost` raised for a sequence step.
+        ``timeout_s`` bounds the wait on this side only: the request has been sent and Triton still runs it.
         """
-        stream, waiter, payload = self._register(request, key=key, many=False)
-        stream.send(waiter, payload)
-        future = waiter.future
-        assert future is not None
-        try:
-            if timeout_s is None:
-                message = await future
-            else:
-                async with asyncio.timeout(timeout_s):
-                    message = await future
-        except TimeoutError as err:
-            stream.pending.pop(waiter.request_id, None)
-            raise RequestTimeout(
-                f"No answer within {timeout_s} s on the gRPC stream.",
-                model=waiter.model,
-                request_id=waiter.request_id,
-                status="DEADLINE_EXCEEDED",
-                sequence_id=waiter.sequence_id,
-            ) from err
-        except asyncio.CancelledError:
-            stream.pending.pop(waiter.request_id, None)
-            raise
-        if message.error_message:
-            raise map_stream_error(
-                message.error_message,
-                model=waiter.model,
-                request_id=waiter.request_id,
-                sequence_id=waiter.sequence_id,
-                steps_acknowledged=steps_acknowledged,
-            )
-        return message.infer_response
-
-    def stream(self, request: Any, *, key: int | str | None = None) -> ResponseStream:
-        """Send one request that gets several responses (decoupled model); iterate them until the final one.
-
-        The request is sent now (so calls keep their order); the returned object is an async iterator
-        and an async context manager whose exit drops whatever has not been read.
-        """
-        stream, waiter, payload = self._register(request, key=key, many=True)
-        stream.send(waiter, payload)
-        return ResponseStream(stream, waiter)
+        return SharedStreamCall(self, request, key=key, many=many, timeout_s=timeout_s, on_send=on_send)
 
     async def aclose(self) -> None:
         """End every stream's requests, stop the readers, fail pending requests with ClientClosedError."""
@@ -350,75 +318,244 @@ class StreamMultiplexer:
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
 
-class ResponseStream:
-    """The responses to one request on a stream, ending after the response with the final flag.
+class SharedStreamCall:
+    """The answers to one request on the shared stream (see :class:`StreamMultiplexer`)."""
 
-    The empty final response Triton sends when asked (``triton_enable_empty_final_response``) ends the
-    iteration without being yielded; a final response that carries outputs is yielded, then it ends.
-    """
+    __slots__ = ("_deadline", "_done", "_key", "_many", "_model", "_mux", "_on_send", "_request", "_request_id",
+                 "_sequence_id", "_stream", "_timeout_s", "_waiter")
 
-    def __init__(self, stream: _Stream, waiter: _Waiter) -> None:
-        self._stream = stream
-        self._waiter = waiter
+    def __init__(
+        self,
+        mux: StreamMultiplexer,
+        request: Any,
+        *,
+        key: int | str | None,
+        many: bool,
+        timeout_s: float | None,
+        on_send: OnSend | None,
+    ) -> None:
+        self._mux = mux
+        self._request = request
+        self._key = key
+        self._many = many
+        self._timeout_s = timeout_s
+        self._deadline = _deadline(timeout_s)
+        self._on_send = on_send
+        self._model: str = request.model_name
+        self._sequence_id = _sequence_id(request)
+        self._request_id = ""
+        self._stream: _Stream | None = None
+        self._waiter: _Waiter | None = None
         self._done = False
+
+    def __repr__(self) -> str:
+        return f"<SharedStreamCall model={self._model!r} request_id={self._request_id!r} done={self._done}>"
 
     @property
     def request_id(self) -> str:
-        return self._waiter.request_id
+        return self._request_id
 
-    def __repr__(self) -> str:
-        return f"<ResponseStream request_id={self.request_id!r} done={self._done}>"
+    async def _send(self) -> _Waiter:
+        mux = self._mux
+        # Counted against max_pending until answered; a caller waiting here has sent nothing yet.
+        async with asyncio.timeout_at(self._deadline):
+            await mux._room.acquire()
+        try:
+            request_id = str(next(mux._ids))
+            payload = request_payload(self._request, request_id=request_id, many=self._many)
+            stream = mux._slot_for(self._key)
+            waiter = _Waiter(many=self._many, model=self._model, sequence_id=self._sequence_id)
+            if self._on_send is not None:
+                self._on_send()
+            await stream.send(request_id, waiter, payload)
+        except BaseException:
+            mux._room.release()
+            raise
+        self._request_id, self._stream, self._waiter = request_id, stream, waiter
+        return waiter
+
+    def _release(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._stream is not None:
+                self._stream.pending.pop(self._request_id, None)
+                self._mux._room.release()
+
+    def _error(self, message: Any) -> TritonError:
+        if isinstance(message, TritonError):
+            message.model = message.model or self._model
+            message.sequence_id = self._sequence_id
+            return message
+        return map_stream_error(
+            message.error_message, model=self._model, request_id=self._request_id, sequence_id=self._sequence_id
+        )
+
+    async def _wait(self, awaitable: Any) -> Any:
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                return await awaitable
+        except TimeoutError as err:
+            self._release()
+            raise _timeout(self._model, self._request_id, self._sequence_id, self._timeout_s) from err
+        except BaseException:
+            self._release()
+            raise
+
+    async def single(self) -> InferResult:
+        if self._many:
+            return await _single_of(self, self._model)
+        if self._done:
+            raise UsageError("this request's answer was already read")
+        try:
+            waiter = await self._send()
+        except TimeoutError as err:
+            self._done = True
+            raise _timeout(self._model, "", self._sequence_id, self._timeout_s) from err
+        assert waiter.future is not None
+        message = await self._wait(waiter.future)
+        self._release()
+        if message.error_message:
+            raise self._error(message)
+        return InferResult.from_grpc(message.infer_response)
 
     def __aiter__(self) -> Self:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> InferResult:
         if self._done:
             raise StopAsyncIteration
-        queue = self._waiter.queue
-        assert queue is not None
-        while True:
+        if not self._many:
+            result = await self.single()
+            return result
+        waiter = self._waiter
+        if waiter is None:
             try:
-                item = await queue.get()
-            except asyncio.CancelledError:
-                self._drop()
-                raise
-            if isinstance(item, BaseException):
+                waiter = await self._send()
+            except TimeoutError as err:
                 self._done = True
-                raise item
-            if item.error_message:
-                self._done = True
-                raise map_stream_error(
-                    item.error_message,
-                    model=self._waiter.model,
-                    request_id=self._waiter.request_id,
-                    sequence_id=self._waiter.sequence_id,
-                )
-            response = item.infer_response
-            if _is_final(response):
-                self._done = True
-                if not response.outputs:
-                    raise StopAsyncIteration
-            return response
-
-    def _drop(self) -> None:
-        self._done = True
-        self._stream.pending.pop(self._waiter.request_id, None)
+                raise _timeout(self._model, "", self._sequence_id, self._timeout_s) from err
+        assert waiter.queue is not None
+        item = await self._wait(waiter.queue.get())
+        if isinstance(item, TritonError) or item.error_message:
+            self._release()
+            raise self._error(item)
+        response = item.infer_response
+        if is_final(response):
+            self._release()
+            if not response.outputs:
+                raise StopAsyncIteration
+        return InferResult.from_grpc(response)
 
     async def aclose(self) -> None:
         """Stop listening: later responses to this request are dropped."""
-        self._drop()
+        self._release()
 
-    async def __aenter__(self) -> Self:
+
+async def _single_of(responses: Any, model: str) -> InferResult:
+    """Read every response of a multi-response request; exactly one is expected."""
+    got: list[InferResult] = []
+    async for result in responses:
+        got.append(result)
+    if len(got) != 1:
+        raise UsageError(
+            f"model {model!r} answered {len(got)} responses to one request; read them with a stream "
+            "(e.g. a session's stream()) instead",
+            model=model,
+        )
+    return got[0]
+
+
+class OwnStreamCall:
+    """One request on a ``ModelStreamInfer`` call of its own: closing or cancelling it cancels it on the server."""
+
+    __slots__ = ("_call", "_done", "_many", "_metadata", "_model", "_multicallable", "_on_send", "_request",
+                 "_request_id", "_sequence_id", "_timeout_s")
+
+    def __init__(
+        self,
+        multicallable: Any,
+        request: Any,
+        *,
+        metadata: Sequence[tuple[str, str]],
+        many: bool,
+        timeout_s: float | None,
+        on_send: OnSend | None,
+    ) -> None:
+        self._multicallable = multicallable
+        self._request = request
+        self._metadata = tuple(metadata)
+        self._many = many
+        self._timeout_s = timeout_s
+        self._on_send = on_send
+        self._model: str = request.model_name
+        self._sequence_id = _sequence_id(request)
+        self._request_id = "1"
+        self._call: Any = None
+        self._done = False
+
+    def __repr__(self) -> str:
+        return f"<OwnStreamCall model={self._model!r} done={self._done}>"
+
+    def _open(self) -> Any:
+        payload = request_payload(self._request, request_id=self._request_id, many=self._many)
+        if self._on_send is not None:
+            self._on_send()
+        # One request, then half-close: Triton goes on answering until the final response, then ends the call.
+        self._call = self._multicallable(iter((payload,)), metadata=self._metadata or None, timeout=self._timeout_s)
+        return self._call
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._call is not None and not self._call.done():
+                self._call.cancel()
+
+    async def single(self) -> InferResult:
+        return await _single_of(self, self._model)
+
+    def __aiter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._drop()
+    async def __anext__(self) -> InferResult:
+        if self._done:
+            raise StopAsyncIteration
+        call = self._call if self._call is not None else self._open()
+        try:
+            message = await call.read()
+        except grpc.aio.AioRpcError as err:
+            self._finish()
+            raise map_error(
+                err, model=self._model, request_id=self._request_id, sequence_id=self._sequence_id
+            ) from err
+        except BaseException:
+            self._finish()  # cancelled: cancel the call, so the server stops this request's work
+            raise
+        if message is grpc.aio.EOF:
+            self._finish()
+            if self._many:
+                # Without the final flag nobody can tell whether the answer is whole.
+                raise ConnectError(
+                    f"model {self._model!r}: the gRPC stream ended before the final response",
+                    model=self._model,
+                    sequence_id=self._sequence_id,
+                )
+            raise StopAsyncIteration
+        if message.error_message:
+            self._finish()
+            raise map_stream_error(
+                message.error_message, model=self._model, request_id=self._request_id, sequence_id=self._sequence_id
+            )
+        response = message.infer_response
+        if not self._many or is_final(response):
+            self._finish()
+            if self._many and not response.outputs:
+                raise StopAsyncIteration
+        return InferResult.from_grpc(response)
+
+    async def aclose(self) -> None:
+        """Cancel the call if it still runs (the server sees the cancellation)."""
+        self._finish()
