@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from tools.perf_analyzer import ensure_perf_analyzer, run_perf_analyzer
 from triton_npu_client import LocalTriton, default_model_repository
+from triton_npu_client.server._markers import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 
 MODELS = ["seq_stats_oldest", "seq_stats_direct", "seq_stats_string"]
 DIM = 4
@@ -277,3 +278,166 @@ async def test_idle_sequence_is_swept(small_client: grpcclient.InferenceServerCl
     assert await live_now(small_client, model, 23) == 0
     with pytest.raises(InferenceServerException, match="START"):
         await infer_step(small_client, model, 21, np.ones(DIM), start=False, end=True)
+
+
+# --- refusal markers over unary gRPC ----------------------------------------------------------------
+
+
+async def test_refusals_carry_stable_markers(small_client: grpcclient.InferenceServerClient) -> None:
+    """Over unary gRPC the cap refusal starts with the capacity marker (UNAVAILABLE), the unknown one with its own."""
+    model = "seq_stats_oldest"
+    assert await live_now(small_client, model, 30) == 0
+    for sid in (31, 32, 33):
+        await infer_step(small_client, model, sid, np.ones(DIM), start=True, end=False)
+    with pytest.raises(InferenceServerException) as capacity:
+        await infer_step(small_client, model, 34, np.ones(DIM), start=True, end=False)
+    assert str(capacity.value.message()).startswith(SEQUENCE_CAPACITY)
+    assert "34" in str(capacity.value.message())
+    assert capacity.value.status() == "StatusCode.UNAVAILABLE"
+    # Triton saw 34's START, the model refused it: Triton lets the next step through, the model holds no 34.
+    with pytest.raises(InferenceServerException) as unknown:
+        await infer_step(small_client, model, 34, np.ones(DIM), start=False, end=True)
+    assert str(unknown.value.message()).startswith(SEQUENCE_UNKNOWN)
+    assert "34" in str(unknown.value.message())
+    assert "START" in str(unknown.value.message())
+    assert unknown.value.status() == "StatusCode.INVALID_ARGUMENT"
+    for sid in (31, 32, 33):
+        await infer_step(small_client, model, sid, np.ones(DIM), start=False, end=True)
+    assert await live_now(small_client, model, 35) == 0
+
+
+# --- END-only requests: close a sequence without a step -----------------------------------------------
+
+
+async def end_only(
+    client: grpcclient.InferenceServerClient, model: str, sid: int | str, *, start: bool = False
+) -> Step:
+    """END (and maybe START) with no inputs at all."""
+    return Step(await client.infer(model, [], sequence_id=sid, sequence_start=start, sequence_end=True))
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_end_only_request_frees_without_a_step(client: grpcclient.InferenceServerClient, model: str) -> None:
+    """Two steps, then END with no X: COUNT stays 2, MEAN/VAR unchanged, LIVE drops and the sequence is gone."""
+    xs = np.array([[1.0, 2.0, 3.0, 4.0], [3.0, 0.0, -1.0, 8.0]])
+    sid = seq_id(model, 700)
+    baseline = await live_now(client, model, seq_id(model, 701))
+    await infer_step(client, model, sid, xs[0], start=True, end=False)
+    second = await infer_step(client, model, sid, xs[1], start=False, end=False)
+    assert second.live >= baseline + 1
+    closed = await end_only(client, model, sid)
+    assert closed.count == 2
+    np.testing.assert_array_equal(closed.mean, second.mean)
+    np.testing.assert_array_equal(closed.var, second.var)
+    np.testing.assert_allclose(closed.mean, xs.mean(axis=0), rtol=1e-6)
+    assert closed.live <= baseline
+    assert await live_now(client, model, seq_id(model, 702)) <= baseline
+    with pytest.raises(InferenceServerException, match="START"):
+        await infer_step(client, model, sid, xs[0], start=False, end=False)
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_start_end_without_x_is_an_empty_sequence(client: grpcclient.InferenceServerClient, model: str) -> None:
+    """START and END with no X: COUNT 0, zero MEAN/VAR of the right shapes, nothing held afterwards."""
+    baseline = await live_now(client, model, seq_id(model, 711))
+    empty = await end_only(client, model, seq_id(model, 710), start=True)
+    assert empty.count == 0
+    np.testing.assert_array_equal(empty.mean, np.zeros(DIM, np.float32))
+    np.testing.assert_array_equal(empty.var, np.zeros(DIM, np.float32))
+    assert empty.live <= baseline
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_missing_x_without_end_is_refused(client: grpcclient.InferenceServerClient, model: str) -> None:
+    """A step with no X and no END is refused naming X; the sequence goes on as if it had not been sent."""
+    sid = seq_id(model, 720)
+    await infer_step(client, model, sid, np.full(DIM, 2.0), start=True, end=False)
+    with pytest.raises(InferenceServerException, match="input 'X' is missing") as refused:
+        await client.infer(model, [], sequence_id=sid)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    after = await infer_step(client, model, sid, np.full(DIM, 4.0), start=False, end=False)
+    assert after.count == 2
+    np.testing.assert_array_equal(after.mean, np.full(DIM, 3.0, np.float32))
+    assert (await end_only(client, model, sid)).count == 2
+
+
+async def test_direct_end_only_next_to_stepping_neighbours(client: grpcclient.InferenceServerClient) -> None:
+    """Direct strategy: END-only requests batched with other sequences' steps and dummy slots leave those exact."""
+    model = "seq_stats_direct"
+    ids = [3_100_000 + n for n in range(4)]
+    rng = np.random.default_rng(11)
+    xs = rng.normal(size=(len(ids), 3, DIM))
+    for k in range(2):
+        await asyncio.gather(
+            *(infer_step(client, model, sid, xs[i, k], start=k == 0, end=False) for i, sid in enumerate(ids))
+        )
+    closes = [end_only(client, model, sid) for sid in ids[:2]]
+    steps = [infer_step(client, model, sid, xs[i + 2, 2], start=False, end=True) for i, sid in enumerate(ids[2:])]
+    closed, stepped = (await asyncio.gather(*closes)), (await asyncio.gather(*steps))
+    for i, answer in enumerate(closed):
+        assert answer.count == 2
+        np.testing.assert_allclose(answer.mean, xs[i, :2].mean(axis=0), rtol=1e-5, atol=1e-6)
+    for i, answer in enumerate(stepped):
+        assert answer.count == 3
+        np.testing.assert_allclose(answer.mean, xs[i + 2].mean(axis=0), rtol=1e-5, atol=1e-6)
+
+
+async def stream_session(
+    client: grpcclient.InferenceServerClient,
+    model: str,
+    sid: int,
+    steps: list[tuple[npt.NDArray[Any] | None, bool, bool]],
+) -> list[Step | InferenceServerException]:
+    """Steps of one sequence over one gRPC stream, each sent once the previous one is answered."""
+    answered: asyncio.Queue[None] = asyncio.Queue()
+    out: list[Step | InferenceServerException] = []
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        for x, start, end in steps:
+            inputs = []
+            if x is not None:
+                inputs.append(grpcclient.InferInput("X", [1, DIM], "FP32"))
+                inputs[0].set_data_from_numpy(np.asarray(x, np.float32).reshape(1, DIM))
+            yield {
+                "model_name": model,
+                "inputs": inputs,
+                "sequence_id": sid,
+                "sequence_start": start,
+                "sequence_end": end,
+            }
+            await answered.get()
+
+    async for result, error in client.stream_infer(requests()):
+        out.append(Step(result) if error is None else error)
+        answered.put_nowait(None)
+    return out
+
+
+async def test_stream_model_end_only_answers_through_the_sender(client: grpcclient.InferenceServerClient) -> None:
+    """seq_stats_stream (decoupled): END with no X answers once, COUNT unchanged, LIVE dropped; no X, no END refused."""
+    model = "seq_stats_stream"
+    probe = await stream_session(client, model, 4_000_001, [(np.zeros(DIM), True, True)])
+    baseline = probe[0].live if isinstance(probe[0], Step) else -1
+    answers = await stream_session(
+        client,
+        model,
+        4_000_000,
+        [
+            (np.full(DIM, 1.0), True, False),
+            (np.full(DIM, 3.0), False, False),
+            (None, False, False),
+            (None, False, True),
+        ],
+    )
+    assert len(answers) == 4
+    first, second, refused, closed = answers
+    assert isinstance(first, Step)
+    assert first.count == 1
+    assert isinstance(second, Step)
+    assert isinstance(refused, InferenceServerException)
+    assert "input 'X' is missing" in str(refused.message())
+    assert isinstance(closed, Step)
+    assert (second.count, closed.count) == (2, 2)
+    np.testing.assert_array_equal(closed.mean, np.full(DIM, 2.0, np.float32))
+    assert second.live >= baseline + 1
+    assert closed.live <= baseline

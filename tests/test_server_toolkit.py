@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.abc
+import importlib.machinery
 import json
+import logging
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +24,7 @@ from triton_npu_client.server import (
     DeviceChoice,
     NumpyMoments,
     RunningMoments,
+    RunningStatsModel,
     SequenceBatching,
     SequenceControls,
     SequenceSlots,
@@ -27,9 +33,14 @@ from triton_npu_client.server import (
     instance_index,
     model_parameter,
     parse_device_ids,
+    probe_accelerators,
     read_controls,
     to_host,
 )
+from triton_npu_client.server import _device as toolkit_device
+from triton_npu_client.server import _markers as markers
+from triton_npu_client.server import _model as toolkit_model
+from triton_npu_client.server._device import choose_instance_device
 
 
 class FakeClock:
@@ -436,3 +447,323 @@ def test_device_check_script_runs_on_cpu() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "cpu" in out.stdout
     assert out.stdout.strip().endswith("OK")
+
+
+# --- device choice for KIND_GPU instances ----------------------------------------------------------
+
+
+def _instance_args(kind: str, device_id: str, name: str = "m_0_2") -> dict[str, str]:
+    return {"model_instance_kind": kind, "model_instance_device_id": device_id, "model_instance_name": name}
+
+
+@pytest.mark.parametrize(
+    ("args", "device_ids", "force", "expected"),
+    [
+        # KIND_GPU: Triton's device id is the device, whatever the instance index or device_ids say.
+        (_instance_args("GPU", "3"), None, None, DeviceChoice(kind="cuda", index=3)),
+        (_instance_args("GPU", "1", "m_0_0"), [0], "auto", DeviceChoice(kind="cuda", index=1)),
+        (_instance_args("GPU", "2"), None, "cuda", DeviceChoice(kind="cuda", index=2)),
+        (_instance_args("GPU", "2"), None, "cpu", DeviceChoice(kind="cpu")),
+        # KIND_CPU: the device id is always 0; instance index 2 of the name picks, round-robin.
+        (_instance_args("CPU", "0"), None, None, DeviceChoice(kind="cuda", index=2)),
+        (_instance_args("CPU", "0"), [1, 3], None, DeviceChoice(kind="cuda", index=1)),
+        ({"model_instance_name": "m_0_3"}, None, None, DeviceChoice(kind="cuda", index=3)),
+    ],
+)
+def test_instance_device_follows_triton_for_kind_gpu(
+    args: dict[str, str], device_ids: list[int] | None, force: str | None, expected: DeviceChoice
+) -> None:
+    """KIND_GPU uses model_instance_device_id; other kinds keep the name's index and device/device_ids."""
+    choice = choose_instance_device(args, available=Accelerators(cuda=4), device_ids=device_ids, force=force)
+    assert choice == expected
+
+
+def test_instance_device_kind_gpu_refuses_what_cannot_be() -> None:
+    """KIND_GPU with an NPU forced, no CUDA device, or a device id beyond the visible ones fails loudly."""
+    with pytest.raises(ValueError, match="KIND_GPU"):
+        choose_instance_device(_instance_args("GPU", "0"), available=Accelerators(npu=2, cuda=1), force="npu")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        choose_instance_device(_instance_args("GPU", "0"), available=Accelerators(npu=2))
+    with pytest.raises(ValueError, match="only 2 visible"):
+        choose_instance_device(_instance_args("GPU", "5"), available=Accelerators(cuda=2))
+
+
+def test_model_state_lands_on_triton_gpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RunningStatsModel for a KIND_GPU instance on device 3 activates cuda:3, not cuda:0."""
+    activated: list[DeviceChoice] = []
+
+    def fake_activate(choice: DeviceChoice, **_: object) -> torch.device:
+        activated.append(choice)
+        return torch.device("cpu")  # no GPU here: the state itself stays on the CPU
+
+    monkeypatch.setattr(toolkit_model, "accelerator_possible", lambda: True)
+    monkeypatch.setattr(toolkit_model, "probe_accelerators", lambda: Accelerators(cuda=4))
+    monkeypatch.setattr(toolkit_model, "activate", fake_activate)
+    config = {
+        "name": "m",
+        "max_batch_size": 8,
+        "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": ["4"]}],
+        "sequence_batching": {"oldest": {}},
+    }
+    args = {"model_config": json.dumps(config), **_instance_args("GPU", "3", "m_0_0")}
+    model = RunningStatsModel(args, pb=None)
+    assert model.device_choice == DeviceChoice(kind="cuda", index=3)
+    assert [c.torch_device for c in activated] == ["cuda:3"]
+
+
+# --- torch_npu import failures are logged -------------------------------------------------------------
+
+
+class _BrokenTorchNpu(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``torch_npu`` (so it looks installed) and fails to import it, as torch_npu does without CANN."""
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        return importlib.machinery.ModuleSpec(fullname, self) if fullname == "torch_npu" else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: object) -> None:
+        raise OSError("libascendcl.so: cannot open shared object file")
+
+
+def test_failed_torch_npu_import_is_logged_with_its_cause(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An installed torch_npu that fails to import: a warning naming the exception, and no NPU counted."""
+    monkeypatch.setattr(sys, "meta_path", [_BrokenTorchNpu(), *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    with caplog.at_level(logging.INFO, logger="triton_npu_client.server"):
+        found = probe_accelerators()
+    assert found.npu == 0
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "torch_npu" in warnings[0].getMessage()
+    assert "libascendcl.so: cannot open shared object file" in warnings[0].getMessage()
+
+
+def test_absent_torch_npu_is_logged_as_info(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """torch_npu not installed (an accelerator may still be CUDA): said at info level, no warning."""
+    monkeypatch.setattr(toolkit_device, "accelerator_possible", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` raise ModuleNotFoundError
+    with caplog.at_level(logging.INFO, logger="triton_npu_client.server"):
+        found = probe_accelerators()
+    assert found.npu == 0
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "torch_npu is not installed" in caplog.records[0].getMessage()
+
+
+# --- RunningMoments honours its dtype ----------------------------------------------------------------
+
+
+def test_running_moments_state_in_its_dtype() -> None:
+    """The state tensors and the step's results are in the dtype asked for (float32 when None)."""
+    wide = RunningMoments(capacity=2, dim=3, dtype=torch.float64)
+    assert {t.dtype for t in (wide.count, wide.mean, wide.m2)} == {torch.float64}
+    count, mean, var = wide.step(torch.tensor([1]), torch.ones(1, 3), torch.tensor([True]))
+    assert {t.dtype for t in (count, mean, var)} == {torch.float64}
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        # None means float32, not whatever torch's global default happens to be.
+        default = RunningMoments(capacity=2, dim=3)
+    finally:
+        torch.set_default_dtype(previous)
+    assert default.dtype == torch.float32
+    assert {t.dtype for t in (default.count, default.mean, default.m2)} == {torch.float32}
+
+
+# --- the idle sweep visits only what expired ---------------------------------------------------------
+
+
+class CountingTime(float):
+    """A timestamp that counts the comparisons made with it: how many sequences a sweep examined."""
+
+    compared = 0
+
+    def _count(self, other: object, op: str) -> bool:
+        CountingTime.compared += 1
+        return bool(getattr(float(self), op)(other))
+
+    def __lt__(self, other: object) -> bool:
+        return self._count(other, "__lt__")
+
+    def __le__(self, other: object) -> bool:
+        return self._count(other, "__le__")
+
+    def __gt__(self, other: object) -> bool:
+        return self._count(other, "__gt__")
+
+    def __ge__(self, other: object) -> bool:
+        return self._count(other, "__ge__")
+
+
+def test_sweep_work_is_proportional_to_expired_sequences() -> None:
+    """With 5000 live sequences and 3 idle, a sweep examines about 3, not 5000; a sweep with none idle examines 1."""
+    now = [1000.0]
+    slots = SequenceSlots(capacity=6000, idle_timeout_s=3.0, grace_s=0.5, clock=lambda: CountingTime(now[0]))
+    slots.plan([start(k) for k in (1, 2, 3)])
+    now[0] += 1.0
+    busy = list(range(100, 5100))
+    assert len(slots.plan([start(k) for k in busy]).rows) == len(busy)
+    now[0] += 2.6  # 1..3 idle 3.6 s > 3.5 s; the 5000 idle 2.6 s
+    CountingTime.compared = 0
+    assert sorted(slots.sweep()) == [1, 2, 3]
+    assert CountingTime.compared <= 4
+    CountingTime.compared = 0
+    slots.plan([step(100)])
+    assert CountingTime.compared <= 1
+    assert slots.live == len(busy)
+    now[0] += 0.95  # 101.. idle 3.55 s; 100 was touched 0.95 s ago, so it goes last and stays
+    assert sorted(slots.sweep()) == busy[1:]
+    assert [k for k in (1, 100, 101) if k in slots] == [100]
+
+
+class ReferenceSlots:
+    """The sweep's meaning, spelled out plainly: every sequence idle past the deadline goes, except kept ones."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.seen: dict[int, float] = {}
+
+    def sweep(self, now: float, keep: set[int]) -> set[int]:
+        stale = {k for k, t in self.seen.items() if t < now - self.limit and k not in keep}
+        for k in stale:
+            del self.seen[k]
+        return stale
+
+    def plan(self, now: float, ops: list[tuple[int, bool, bool]]) -> list[int]:
+        self.sweep(now, {k for k, _, _ in ops})
+        rows = []
+        for row, (k, is_start, _) in enumerate(ops):
+            if is_start or k in self.seen:
+                self.seen[k] = now
+                rows.append(row)
+        for k, _, is_end in ops:
+            if is_end:
+                self.seen.pop(k, None)
+        return rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.75, 3.5, 4.0]),
+            st.lists(st.tuples(st.integers(1, 8), st.booleans(), st.booleans()), max_size=5, unique_by=lambda o: o[0]),
+            st.one_of(st.none(), st.sets(st.integers(1, 8))),
+        ),
+        max_size=25,
+    )
+)
+def test_sweep_semantics_match_the_plain_reading(
+    rounds: list[tuple[float, list[tuple[int, bool, bool]], set[int] | None]],
+) -> None:
+    """Random steps, starts, ends, clock moves and direct sweeps: who is swept, and when, is the plain reading's."""
+    clock = FakeClock()
+    slots = SequenceSlots(capacity=16, idle_timeout_s=1.0, grace_s=0.5, clock=clock)
+    ref = ReferenceSlots(1.5)
+    for dt, ops, keep in rounds:
+        clock.now += dt
+        if keep is not None:
+            assert set(slots.sweep(keep=keep)) == ref.sweep(clock.now, keep)
+        plan = slots.plan([SequenceControls(correlation_id=k, start=s, end=e) for k, s, e in ops])
+        assert list(plan.rows) == ref.plan(clock.now, ops)
+        slots.finish(plan)
+        assert {k for k in range(1, 9) if k in slots} == set(ref.seen)
+
+
+# --- default sequence strategy ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("section", "strategy"),
+    [
+        ({}, "direct"),
+        ({"max_sequence_idle_microseconds": 5000000}, "direct"),
+        ({"direct": {}}, "direct"),
+        ({"direct": {"max_queue_delay_microseconds": 100}}, "direct"),
+        ({"oldest": {}}, "oldest"),
+        ({"oldest": {"max_candidate_sequences": 4}}, "oldest"),
+    ],
+)
+def test_strategy_defaults_to_direct_like_triton(section: dict[str, object], strategy: str) -> None:
+    """A sequence_batching section with neither direct nor oldest is direct; an empty block still selects."""
+    assert SequenceBatching.from_model_config(_config(section)).strategy == strategy
+
+
+# --- refusal markers ------------------------------------------------------------------------------------
+
+
+def test_refusal_messages_start_with_their_markers() -> None:
+    """'unknown' and 'capacity' refusals begin with their stable marker, then name the sequence and what to do."""
+    slots = SequenceSlots(capacity=1, idle_timeout_s=1.0, clock=FakeClock())
+    slots.plan([start(1)])
+    plan = slots.plan([start(2), step(3)])
+    capacity, unknown = plan.errors[0], plan.errors[1]
+    assert capacity.reason == "capacity"
+    assert capacity.message.startswith(markers.SEQUENCE_CAPACITY + " ")
+    assert "sequence 2" in capacity.message
+    assert "retry later" in capacity.message
+    assert unknown.reason == "unknown"
+    assert unknown.message.startswith(markers.SEQUENCE_UNKNOWN + " ")
+    assert "sequence 3" in unknown.message
+    assert "START" in unknown.message
+    assert markers.marker_in("rpc error: " + unknown.message) == markers.SEQUENCE_UNKNOWN
+    assert markers.marker_in("sequence 3 is unknown") is None
+
+
+def test_markers_module_imports_nothing() -> None:
+    """_markers.py has no import statement, so the client can load it with no dependency at all."""
+    tree = ast.parse(Path(markers.__file__).read_text())
+    assert [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)] == []
+    assert len(set(markers.MARKERS)) == len(markers.MARKERS) == 2
+
+
+# --- END-only requests in the plan --------------------------------------------------------------------
+
+
+def test_end_only_closes_without_a_step() -> None:
+    """END with no data: no step row, its slot reported in closes, freed at finish; START+END reports nothing."""
+    slots = SequenceSlots(capacity=4, idle_timeout_s=1.0, clock=FakeClock())
+    first = slots.plan([start(1), start(2)])
+    plan = slots.plan([step(1, end=True), step(2)], has_data=[False, True])
+    assert plan.rows == (1,)
+    assert plan.closes == {0: first.slots[0]}
+    assert plan.ending == (1,)
+    assert slots.live == 2
+    slots.finish(plan)
+    assert slots.live == 1
+    assert 1 not in slots
+    empty = slots.plan([start(7, end=True), start(2, end=True)], has_data=[False, False])
+    assert empty.rows == ()
+    assert empty.closes == {0: None, 1: None}
+    slots.finish(empty)
+    assert slots.live == 0  # the live 2 was restarted empty and closed
+
+
+def test_end_only_for_an_unknown_sequence_is_refused() -> None:
+    """END with no data for a sequence this instance does not hold: the same 'unknown' refusal as a step."""
+    slots = SequenceSlots(capacity=2, idle_timeout_s=1.0, clock=FakeClock())
+    plan = slots.plan([step(5, end=True)], has_data=[False])
+    assert plan.closes == {}
+    assert plan.errors[0].reason == "unknown"
+    assert plan.errors[0].message.startswith(markers.SEQUENCE_UNKNOWN)
+
+
+def test_state_read_reports_without_stepping() -> None:
+    """read() gives count/mean/var as they stand, the same in numpy and torch, and changes nothing."""
+    host = NumpyMoments(capacity=2, dim=2)
+    dev = RunningMoments(capacity=2, dim=2)
+    x = np.array([[1.0, 2.0]], np.float32)
+    for v in (x, x * 3):
+        host.step(np.array([1]), v, np.array([v is x]))
+        dev.step(torch.tensor([1]), torch.from_numpy(v.copy()), torch.tensor([v is x]))
+    for state, got in ((host, host.read(np.array([1, 0]))), (dev, dev.read(torch.tensor([1, 0])))):
+        count, mean, var = (to_host(t) for t in got)
+        np.testing.assert_array_equal(count, [2.0, 0.0])
+        np.testing.assert_array_equal(mean, [[2.0, 4.0], [0.0, 0.0]])
+        np.testing.assert_array_equal(var, [[1.0, 4.0], [0.0, 0.0]])
+        assert float(to_host(state.count)[1]) == 2.0

@@ -27,6 +27,9 @@ _KINDS = {
 class SequenceBatching:
     """The model's ``sequence_batching`` section, reduced to what a stateful model acts on.
 
+    ``strategy`` is ``"oldest"`` when the section has an ``oldest`` block, else ``"direct"`` (Triton's
+    default when the config names neither).
+
     ``control_inputs`` maps a control kind (``"start"``, ``"end"``, ``"ready"``, ``"corrid"``) to the
     name of the input tensor that carries it; a kind not declared there is read from the request
     itself (``request.flags()`` / ``request.correlation_id()``).
@@ -47,9 +50,12 @@ class SequenceBatching:
         """Parse ``args["model_config"]``; ``ValueError`` when the model is not sequence-batched."""
         cfg = parse_model_config(config)
         seq = cfg.get("sequence_batching")
-        if not seq:
+        # An empty section is still a section: `sequence_batching { }` is a direct-strategy sequence model.
+        if seq is None:
             raise ValueError(f"model {cfg.get('name', '?')!r} has no sequence_batching section")
-        strategy: Literal["oldest", "direct"] = "direct" if seq.get("direct") else "oldest"
+        # Triton runs the direct strategy unless the config selects oldest: a section with neither is direct.
+        # Presence decides, not truth: an empty "oldest": {} still selects oldest.
+        strategy: Literal["oldest", "direct"] = "oldest" if seq.get("oldest") is not None else "direct"
         controls: dict[str, str] = {}
         string_ids = False
         for control_input in seq.get("control_input", []):

@@ -3,8 +3,10 @@
 With ``KIND_CPU`` instances Triton's ``model_instance_device_id`` is always "0", so the device comes
 from the model config's ``parameters`` (``device``: auto|npu|cuda|cpu, ``device_ids``: "0-3" or
 "0,2") and the instance index at the end of ``args["model_instance_name"]`` (``<model>_<group>_<i>``),
-the pattern NVIDIA's python_backend uses for Inferentia. :func:`choose_device` is pure;
-:func:`probe_accelerators` and :func:`activate` touch the runtime.
+the pattern NVIDIA's python_backend uses for Inferentia. With ``KIND_GPU`` instances Triton itself
+places each instance on a CUDA device and says which in ``model_instance_device_id``: that is the
+device. :func:`choose_instance_device` and :func:`choose_device` are pure; :func:`probe_accelerators`
+and :func:`activate` touch the runtime.
 
 torch is imported only when an accelerator may exist (:func:`accelerator_possible`): importing it
 costs a CPU-only stub ~2.5 s of CPU at load, ~150 MiB of RSS and a slow interpreter shutdown, for a
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -33,11 +36,15 @@ __all__ = [
     "DeviceChoice",
     "activate",
     "choose_device",
+    "choose_instance_device",
     "instance_index",
+    "instance_kind",
     "parse_device_ids",
     "probe_accelerators",
     "to_host",
 ]
+
+_log = logging.getLogger("triton_npu_client.server")
 
 DeviceKind = Literal["npu", "cuda", "cpu"]
 _TRAILING_INDEX = re.compile(r"_(\d+)$")
@@ -67,6 +74,12 @@ def instance_index(instance_name: str) -> int:
     """The instance's index within its group: the trailing ``_<n>`` of ``model_instance_name``."""
     match = _TRAILING_INDEX.search(instance_name)
     return int(match.group(1)) if match else 0
+
+
+def instance_kind(args: Mapping[str, str]) -> str:
+    """Triton's instance kind from ``args["model_instance_kind"]``: "GPU", "CPU", "MODEL" ("CPU" when absent)."""
+    kind = str(args.get("model_instance_kind") or "CPU").strip().upper()
+    return kind.removeprefix("KIND_")
 
 
 def parse_device_ids(spec: str | None) -> list[int] | None:
@@ -122,6 +135,48 @@ def choose_device(
     return DeviceChoice(kind=kind, index=index)
 
 
+def choose_instance_device(
+    args: Mapping[str, str],
+    *,
+    available: Accelerators,
+    device_ids: Sequence[int] | None = None,
+    force: str | None = None,
+) -> DeviceChoice:
+    """The device for the instance Triton describes in ``args`` (what ``initialize`` receives).
+
+    ``KIND_GPU``: Triton placed the instance on CUDA device ``model_instance_device_id``, and that is
+    the device; ``force`` may be auto or cuda, or cpu to keep the state on the host; ``device_ids``
+    does not apply. Any other kind (``KIND_CPU``, ``KIND_MODEL``, where Triton's device id is always
+    0): :func:`choose_device` with the instance index from ``model_instance_name``, ``device_ids`` and
+    ``force``. Raises when the wanted device is absent, as :func:`choose_device` does.
+    """
+    if instance_kind(args) != "GPU":
+        return choose_device(
+            available=available,
+            instance=instance_index(args.get("model_instance_name", "")),
+            device_ids=device_ids,
+            force=force,
+        )
+    wanted = (force or "auto").strip().lower()
+    if wanted == "cpu":
+        return DeviceChoice(kind="cpu")
+    if wanted not in ("auto", "cuda"):
+        raise ValueError(
+            f"a KIND_GPU instance runs on the CUDA device Triton assigns it, so device must be auto, cuda or cpu, "
+            f"got {force!r}; use KIND_CPU instances with device_ids for other accelerators"
+        )
+    raw = args.get("model_instance_device_id") or "0"
+    try:
+        index = int(raw)
+    except ValueError:
+        raise ValueError(f"model_instance_device_id must be an integer, got {raw!r}") from None
+    if available.cuda == 0:
+        raise RuntimeError(f"KIND_GPU instance on CUDA device {index}, but no CUDA device is usable here")
+    if not 0 <= index < available.cuda:
+        raise ValueError(f"KIND_GPU instance on CUDA device {index}, but only {available.cuda} visible")
+    return DeviceChoice(kind="cuda", index=index)
+
+
 def accelerator_possible() -> bool:
     """Whether an NPU or a CUDA device may exist here, decided without importing torch.
 
@@ -151,9 +206,18 @@ def probe_accelerators() -> Accelerators:
     try:
         # torch_npu registers torch.npu on import; it fails without CANN / an Ascend device.
         importlib.import_module("torch_npu")
-        npu = int(torch.npu.device_count())  # type: ignore[attr-defined]
-    except Exception:  # any failure means "no usable NPU here"
-        npu = 0
+    except ModuleNotFoundError as err:
+        if err.name != "torch_npu":
+            _log.warning("torch_npu is installed but did not import, so no NPU is used: %r", err)
+        else:
+            _log.info("torch_npu is not installed, so no NPU is used: %s", err)
+    except Exception as err:  # CANN missing or broken, no driver: any failure means "no usable NPU here"
+        _log.warning("torch_npu is installed but did not import, so no NPU is used: %r", err)
+    else:
+        try:
+            npu = int(torch.npu.device_count())  # type: ignore[attr-defined]
+        except Exception as err:
+            _log.warning("torch_npu imported but could not count NPUs, so no NPU is used: %r", err)
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return Accelerators(npu=npu, cuda=cuda)
 

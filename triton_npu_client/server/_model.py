@@ -6,6 +6,17 @@ outputs ``MEAN`` and ``VAR`` (FP32 ``[dim]``, population variance), ``COUNT`` (I
 so far in this sequence) and ``LIVE`` (INT64 ``[1]``, sequences this instance holds after this
 execute, ENDs of the same batch already freed: a one-request sequence reads "live now, besides me").
 
+END-only requests: the data input ``X`` is declared ``optional: true``, and a request that carries END
+but no ``X`` closes its sequence without a step. It frees the state and answers the sequence's
+statistics as they stand (``COUNT`` the steps already taken, ``MEAN``/``VAR`` unchanged; zeros and
+``COUNT`` 0 with START too, an empty sequence) plus ``LIVE``. That is how a client ends a sequence whose
+last step has already run: it sends END with no inputs when every data input of the model is optional.
+A request without ``X`` and without END is refused with an error naming the missing input; an END-only
+request for a sequence this instance does not hold gets the same "unknown" refusal as a step would.
+Such a model with ``max_batch_size > 0`` must get at least one control input tensor from the sequence
+batcher (READY is enough): the Python backend reads the batch size from a request's first input and
+fails a request that has none ("request has 0 inputs") before the model sees it.
+
 A config with ``model_transaction_policy { decoupled: true }`` gets each answer through the request's
 response sender, with the FINAL flag on the same response. That is the form that survives Triton 2.51's
 gRPC stream under load (see bench/repro_stream_crash/): for a non-decoupled model answered over a stream,
@@ -33,8 +44,7 @@ from ._device import (
     DeviceChoice,
     accelerator_possible,
     activate,
-    choose_device,
-    instance_index,
+    choose_instance_device,
     parse_device_ids,
     probe_accelerators,
     to_host,
@@ -55,7 +65,10 @@ class RunningStatsModel:
 
     Config ``parameters`` read: ``device`` (auto|npu|cuda|cpu), ``device_ids`` ("0-3", "0,2"),
     ``max_sequences`` (cap of live sequences per instance), ``sweep_grace_us`` (added to the idle
-    timeout before an idle sequence's state is swept).
+    timeout before an idle sequence's state is swept). A ``KIND_GPU`` instance runs on the CUDA device
+    Triton assigns it; other kinds follow ``device``/``device_ids`` and the instance index
+    (:func:`choose_instance_device`). A request with END and no ``X`` closes its sequence without a
+    step (see the module docstring).
     """
 
     def __init__(self, args: Mapping[str, str], pb: Any, *, clock: Clock = time.monotonic) -> None:
@@ -68,9 +81,9 @@ class RunningStatsModel:
         force = model_parameter(config, "device")
         # numpy on CPU when CPU is forced or no accelerator can exist: then torch is never imported.
         host_only = (force or "").strip().lower() == "cpu" or not accelerator_possible()
-        self.device_choice: DeviceChoice = choose_device(
+        self.device_choice: DeviceChoice = choose_instance_device(
+            args,
             available=Accelerators() if host_only else probe_accelerators(),
-            instance=instance_index(args.get("model_instance_name", "")),
             device_ids=parse_device_ids(model_parameter(config, "device_ids")),
             force=force,
         )
@@ -116,22 +129,28 @@ class RunningStatsModel:
                     self.batching, correlation_id=request.correlation_id(), flags=request.flags(), tensors=tensors
                 )
                 x = _as_numpy(pb.get_input_tensor_by_name(request, INPUT))
-                if ctl.ready and (x is None or x.shape != (1, self.dim)):
-                    shape = None if x is None else list(x.shape)
-                    raise ValueError(f"input {INPUT!r} must have shape [1, {self.dim}] (one step), got {shape}")
+                # Dummies (READY false) are answered whatever they carry; X may be absent from them too.
+                if ctl.ready and x is None and not ctl.end:
+                    raise ValueError(
+                        f"sequence {ctl.correlation_id!r}: input {INPUT!r} is missing; only a request that carries "
+                        f"END may leave it out (that closes the sequence without a step)"
+                    )
+                if ctl.ready and x is not None and x.shape != (1, self.dim):
+                    raise ValueError(f"input {INPUT!r} must have shape [1, {self.dim}] (one step), got {list(x.shape)}")
             except ValueError as err:
                 bad[row] = Refusal(reason="bad_input", message=str(err))
                 ctl, x = SequenceControls(correlation_id=0, ready=False), None
             controls.append(ctl)
             inputs.append(x)
 
-        plan = self.slots.plan(controls)
+        plan = self.slots.plan(controls, has_data=[x is not None for x in inputs])
         count = mean = var = None
         if plan.rows:
             x_host = np.concatenate([inputs[r] for r in plan.rows]).astype(np.float32, copy=False)
             c, m, v = self._step(x_host, plan.slots, plan.fresh)
             # One copy to host per output for the whole batch, then cheap numpy views per request.
             count, mean, var = to_host(c).astype(np.int64), to_host(m), to_host(v)
+        closed = self._closed_outputs(plan.closes)  # read before finish frees the slots
         self.slots.finish(plan)
         live = np.array([[self.slots.live]], dtype=np.int64)
 
@@ -144,13 +163,11 @@ class RunningStatsModel:
                 responses.append(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(refusal.message, code)))
                 continue
             j = position.get(row)
-            if j is None or count is None or mean is None or var is None:
+            if row in closed:
+                outs = closed[row]
+            elif j is None or count is None or mean is None or var is None:
                 # A dummy slot (READY false): answered, state untouched.
-                outs = (
-                    np.zeros((1, self.dim), np.float32),
-                    np.zeros((1, self.dim), np.float32),
-                    np.zeros((1, 1), np.int64),
-                )
+                outs = self._zeros()
             else:
                 outs = (mean[j : j + 1], var[j : j + 1], count[j : j + 1].reshape(1, 1))
             responses.append(
@@ -164,6 +181,32 @@ class RunningStatsModel:
                 )
             )
         return responses
+
+    def _zeros(self) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]:
+        return np.zeros((1, self.dim), np.float32), np.zeros((1, self.dim), np.float32), np.zeros((1, 1), np.int64)
+
+    def _closed_outputs(
+        self, closes: Mapping[int, int | None]
+    ) -> dict[int, tuple[NDArray[Any], NDArray[Any], NDArray[Any]]]:
+        """``(MEAN, VAR, COUNT)`` of each END-only request: its sequence's state as it stands, no step."""
+        outs = {row: self._zeros() for row, slot in closes.items() if slot is None}
+        held = [(row, slot) for row, slot in closes.items() if slot is not None]
+        if not held:
+            return outs
+        c, m, v = self._read([slot for _, slot in held])
+        count = to_host(c).astype(np.int64)
+        mean, var = to_host(m).astype(np.float32, copy=False), to_host(v).astype(np.float32, copy=False)
+        for j, (row, _) in enumerate(held):
+            outs[row] = (mean[j : j + 1], var[j : j + 1], count[j : j + 1].reshape(1, 1))
+        return outs
+
+    def _read(self, slots: Sequence[int]) -> tuple[Any, Any, Any]:
+        """The state of ``slots`` without a step, in numpy or in torch on the device, like :meth:`_step`."""
+        if isinstance(self.state, NumpyMoments):
+            return self.state.read(np.asarray(slots, np.int64))
+        import torch  # already loaded: a RunningMoments state imported it
+
+        return self.state.read(torch.tensor(slots, dtype=torch.int64, device=self.device))
 
     def _step(self, x: NDArray[np.float32], slots: Sequence[int], fresh: Sequence[bool]) -> tuple[Any, Any, Any]:
         """One whole-batch state step, in numpy or in torch on the device, whichever state this instance has."""

@@ -11,6 +11,7 @@ Two interchangeable state classes: :class:`RunningMoments` (torch tensors on any
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ._controls import CorrelationId, SequenceControls
+from ._markers import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +36,8 @@ class Refusal:
 
     ``reason`` is ``"capacity"`` (cap of live sequences reached: try later), ``"unknown"`` (a step for
     a sequence this instance does not hold), ``"duplicate"`` (two steps of one sequence in a batch),
-    ``"no_id"`` or ``"bad_input"``; ``message`` is what the client reads.
+    ``"no_id"`` or ``"bad_input"``; ``message`` is what the client reads. The messages of
+    ``"capacity"`` and ``"unknown"`` begin with their stable marker from ``_markers``.
     """
 
     reason: str
@@ -46,8 +49,11 @@ class BatchPlan:
     """One execute's requests resolved to state slots.
 
     ``rows`` are the positions (in the request list) that take a step, ``slots`` their state slots
-    (unique: one step per sequence per batch), ``fresh`` whether each starts its sequence. ``errors``
-    maps a request position to the :class:`Refusal` its error response carries; positions in neither are
+    (unique: one step per sequence per batch), ``fresh`` whether each starts its sequence. ``closes``
+    maps the position of an END-only request (END and no data: no step) to the slot whose state it
+    reports before the slot is freed, or None when there is none to report (START and END together).
+    ``ending`` lists the sequences :meth:`SequenceSlots.finish` frees. ``errors`` maps a request
+    position to the :class:`Refusal` its error response carries; positions in none of these are
     dummies (READY false) answered without touching state.
     """
 
@@ -55,6 +61,7 @@ class BatchPlan:
     slots: tuple[int, ...] = ()
     fresh: tuple[bool, ...] = ()
     ending: tuple[CorrelationId, ...] = ()
+    closes: dict[int, int | None] = field(default_factory=dict)
     errors: dict[int, Refusal] = field(default_factory=dict)
 
 
@@ -74,7 +81,9 @@ class SequenceSlots:
         self.grace_s = grace_s
         self._clock = clock
         self._slot: dict[CorrelationId, int] = {}
-        self._last_seen: dict[CorrelationId, float] = {}
+        # Least recently seen first: every touch moves a sequence to the end, so with a monotonic clock
+        # the times only grow along the order and the sweep stops at the first sequence not yet idle.
+        self._last_seen: OrderedDict[CorrelationId, float] = OrderedDict()
         # Lowest slots first: keeps the live region of the state tensors dense.
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -96,7 +105,13 @@ class SequenceSlots:
         """Free every sequence idle longer than the timeout plus grace (except ``keep``); return them."""
         deadline = self._clock() - (self.idle_timeout_s + self.grace_s)
         kept = set(keep)
-        stale = [k for k, seen in self._last_seen.items() if seen < deadline and k not in kept]
+        stale: list[CorrelationId] = []
+        # Work in proportion to the idle sequences (and kept ones among them), not to all live ones.
+        for key, seen in self._last_seen.items():
+            if seen >= deadline:
+                break
+            if key not in kept:
+                stale.append(key)
         for key in stale:
             self.release(key)
         return stale
@@ -110,8 +125,13 @@ class SequenceSlots:
         self._free.append(slot)
         return True
 
-    def plan(self, controls: Sequence[SequenceControls]) -> BatchPlan:
+    def plan(self, controls: Sequence[SequenceControls], *, has_data: Sequence[bool] | None = None) -> BatchPlan:
         """Sweep, then give each request of one execute its slot: admit STARTs, look up the others.
+
+        ``has_data[i]`` False marks request ``i`` as END-only (it carries END and no data input; the
+        caller refuses a request without data and without END before planning): it takes no step and
+        no new slot, reports its sequence's state as it stands (see :attr:`BatchPlan.closes`) and frees
+        it at :meth:`finish`. None means every request carries data.
 
         Refusals become per-request error messages (cap full, unknown sequence, a second step of one
         sequence in the same batch); they never stop the other requests.
@@ -122,6 +142,7 @@ class SequenceSlots:
         slots: list[int] = []
         fresh: list[bool] = []
         ending: list[CorrelationId] = []
+        closes: dict[int, int | None] = {}
         errors: dict[int, Refusal] = {}
         seen: set[CorrelationId] = set()
         for row, ctl in enumerate(controls):
@@ -140,33 +161,58 @@ class SequenceSlots:
                 )
                 continue
             slot = self._slot.get(key)
+            if has_data is not None and not has_data[row]:
+                if slot is None and not ctl.start:
+                    errors[row] = self._unknown(key)
+                    continue
+                # START and END with no data opens and closes an empty sequence: nothing to report, and
+                # a live one of that id is restarted, i.e. dropped.
+                seen.add(key)
+                closes[row] = None if ctl.start else slot
+                if slot is not None:
+                    self._last_seen[key] = now
+                    self._last_seen.move_to_end(key)
+                    ending.append(key)
+                continue
             if ctl.start:
                 if slot is None:
                     if not self._free:
                         errors[row] = Refusal(
                             reason="capacity",
-                            message=f"sequence {key!r} refused: this model instance already holds its cap of "
-                            f"{self.capacity} live sequences (parameter max_sequences)",
+                            message=f"{SEQUENCE_CAPACITY} sequence {key!r} refused: this model instance already "
+                            f"holds its cap of {self.capacity} live sequences (parameter max_sequences); "
+                            "retry later or end other sequences",
                         )
                         continue
                     slot = self._free.pop()
                     self._slot[key] = slot
                 # A START for a live id restarts it (Triton ends the old one early): the slot is reset.
             elif slot is None:
-                errors[row] = Refusal(
-                    reason="unknown",
-                    message=f"sequence {key!r} is unknown to this model instance: it never started, ended, or was "
-                    f"idle longer than {self.idle_timeout_s:g} s; send the START flag to begin a new one",
-                )
+                errors[row] = self._unknown(key)
                 continue
             seen.add(key)
             self._last_seen[key] = now
+            self._last_seen.move_to_end(key)
             rows.append(row)
             slots.append(slot)
             fresh.append(ctl.start)
             if ctl.end:
                 ending.append(key)
-        return BatchPlan(rows=tuple(rows), slots=tuple(slots), fresh=tuple(fresh), ending=tuple(ending), errors=errors)
+        return BatchPlan(
+            rows=tuple(rows),
+            slots=tuple(slots),
+            fresh=tuple(fresh),
+            ending=tuple(ending),
+            closes=closes,
+            errors=errors,
+        )
+
+    def _unknown(self, key: CorrelationId) -> Refusal:
+        return Refusal(
+            reason="unknown",
+            message=f"{SEQUENCE_UNKNOWN} sequence {key!r} is unknown to this model instance: it never started, "
+            f"ended, or was idle longer than {self.idle_timeout_s:g} s; send the START flag to begin a new one",
+        )
 
     def finish(self, plan: BatchPlan) -> None:
         """Free the slots of the sequences that ended in ``plan`` (after their step is computed)."""
@@ -191,9 +237,10 @@ class RunningMoments:
         self.dim = dim
         self.device = torch.device(device)
         self.dtype = torch.float32 if dtype is None else dtype
-        self.count = torch.zeros(capacity, dtype=dtype, device=self.device)
-        self.mean = torch.zeros(capacity, dim, dtype=dtype, device=self.device)
-        self.m2 = torch.zeros(capacity, dim, dtype=dtype, device=self.device)
+        # self.dtype, never the argument: None must mean float32, not whatever torch's default is now.
+        self.count = torch.zeros(capacity, dtype=self.dtype, device=self.device)
+        self.mean = torch.zeros(capacity, dim, dtype=self.dtype, device=self.device)
+        self.m2 = torch.zeros(capacity, dim, dtype=self.dtype, device=self.device)
 
     def __repr__(self) -> str:
         return f"RunningMoments(capacity={self.capacity}, dim={self.dim}, device={self.device}, dtype={self.dtype})"
@@ -218,6 +265,15 @@ class RunningMoments:
         self.mean.index_copy_(0, slots, mean)
         self.m2.index_copy_(0, slots, m2)
         return count, mean, m2 / count[:, None]
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The state of ``slots`` (int64 ``[k]``) as it stands, no step: ``(count, mean, var)`` like :meth:`step`.
+
+        What an END-only request reports; read only slots held now (a freed row keeps its last sequence's
+        values). A row with count 0 reads var 0, not a division by zero.
+        """
+        count = self.count.index_select(0, slots)
+        return count, self.mean.index_select(0, slots), self.m2.index_select(0, slots) / count.clamp(min=1)[:, None]
 
 
 class NumpyMoments:
@@ -262,3 +318,13 @@ class NumpyMoments:
         self.mean[slots] = mean
         self.m2[slots] = m2
         return count, mean, m2 / count[:, None]
+
+    def read(self, slots: NDArray[np.integer[Any]]) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]:
+        """The state of ``slots`` as it stands, no step: new arrays ``(count, mean, var)`` like :meth:`step`.
+
+        What an END-only request reports; read only slots held now (a freed row keeps its last sequence's
+        values). A row with count 0 reads var 0, not a division by zero.
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        count = self.count[slots]
+        return count, self.mean[slots], self.m2[slots] / np.maximum(count, self.dtype.type(1))[:, None]

@@ -1,0 +1,30 @@
+"""Stable markers at the start of the toolkit's own refusal messages, shared by the server and the client.
+
+The client must tell these refusals apart over unary gRPC, HTTP and the gRPC stream alike; a stream
+error carries nothing but its message text, so the text itself holds a fixed, versionless phrase.
+Every refusal the toolkit makes for one of these reasons begins with its marker, then a human
+sentence naming the sequence id and what to do. Match with ``in`` (or :func:`marker_in`), not by
+position: a server or proxy may prefix the text.
+
+This module imports nothing, so the client can read it without the toolkit's numpy or torch.
+"""
+
+__all__ = ["MARKERS", "SEQUENCE_CAPACITY", "SEQUENCE_UNKNOWN", "marker_in"]
+
+#: A non-START step for a sequence this model instance does not hold (never started, ended, swept
+#: after idling, or its START was refused): the sequence's state is gone; start a new one.
+SEQUENCE_UNKNOWN = "[triton-npu:sequence-unknown]"
+
+#: A START refused because the instance already holds its cap of live sequences: retry later.
+#: Sent with Triton's UNAVAILABLE status where the transport carries one.
+SEQUENCE_CAPACITY = "[triton-npu:capacity]"
+
+MARKERS = (SEQUENCE_UNKNOWN, SEQUENCE_CAPACITY)
+
+
+def marker_in(text: str) -> str | None:
+    """The first of :data:`MARKERS` that ``text`` contains, or None."""
+    for marker in MARKERS:
+        if marker in text:
+            return marker
+    return None
