@@ -200,3 +200,59 @@ def test_example_concurrent_sessions_runs() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "100/100 sessions got exactly their own results" in proc.stdout
     assert "live after: 0" in proc.stdout
+
+
+class RecordingTransport:
+    """The real transport, recording what each inference call carried (a seam: every call reaches the server)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[tuple[tuple[str, ...], bool]] = []
+
+    def call(self, request: Any, **kw: Any) -> Any:
+        self.calls.append((tuple(i.name for i in request.inputs), bool(kw.get("sequence_end"))))
+        return self.inner.call(request, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize(("protocol", "stream"), WAYS, ids=WAY_IDS)
+async def test_closing_sends_end_without_recomputing_the_last_step(
+    triton_server: LocalTriton, protocol: str, stream: bool
+) -> None:
+    """Leaving the block sends END with no inputs (the toolkit frees the state without a step), on every path."""
+    async with await client_for(triton_server, protocol) as plain:
+        recording = RecordingTransport(plain.transport)
+        client = Client(plain.config.url, transport=recording)  # type: ignore[arg-type]
+        model = await client.model("seq_stats_oldest")
+        before = await live_sequences(model)
+        async with open_sequence(model, stream=stream) as seq:
+            await seq.infer(X=np.ones(4, np.float32))
+            await seq.infer(X=np.full(4, 3.0, np.float32))
+            recording.calls.clear()
+        assert recording.calls == [((), True)]  # one closing request: END, no inputs
+        assert await live_sequences(model) == before
+
+
+async def test_a_step_queued_for_a_connection_past_the_idle_timeout_is_warned_when_it_leaves(
+    triton_server: LocalTriton,
+) -> None:
+    """HTTP with one connection: a step that waits behind a slow request warns when it leaves, then is lost."""
+    from triton_npu_client import SequenceIdleWarning, SequenceLost
+
+    async with Client(triton_server.http_url, http_connections=1, timeout_s=60) as client:
+        model = await client.model("seq_stats_oldest")
+        slow = await client.model("slow_echo")
+        idle_s = model.spec.sequence.idle_timeout_us / 1e6 if model.spec.sequence else 0.0
+        async with open_sequence(model) as seq:
+            await seq.infer(X=np.ones(4, np.float32))
+            holding = asyncio.Event()
+            request = slow.request(INPUT0=np.ones(1, np.float32), DELAY_S=np.array([idle_s + 2.0], np.float32))
+            hog = asyncio.create_task(
+                client.transport.call(request, timeout_s=60, on_send=holding.set).single()
+            )
+            await holding.wait()  # the only connection is taken from here on
+            with pytest.warns(SequenceIdleWarning, match="leaves"), pytest.raises(SequenceLost):
+                await seq.infer(X=np.ones(4, np.float32))
+            await hog

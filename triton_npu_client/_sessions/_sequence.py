@@ -47,6 +47,7 @@ from .._errors import (
     SequenceLost,
     SequenceUsageError,
     TritonError,
+    UsageError,
 )
 from .._errors._classify import judge_step
 from .._model import ModelSpec, build_request
@@ -375,6 +376,10 @@ class SequenceSession:
                     steps_acknowledged=self._acked,
                     model=self._spec.name,
                 )
+                raise
+            except UsageError:
+                # Answered, by more than one response (read such steps with stream()): the step ran.
+                self._acknowledged(end=end)
                 raise
             except TritonError as err:
                 raise self._failed(err, start=start) from err

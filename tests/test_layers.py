@@ -1,0 +1,153 @@
+"""The package's import graph: layers show in folder names, arrows point down only, and nothing imports in a circle.
+
+Read from the source with ``ast`` (every import counts: module level, ``TYPE_CHECKING`` blocks and imports inside
+functions alike), so a lazy import cannot hide an upward arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "triton_npu_client"
+ROOT = "triton_npu_client"
+
+# Bottom (0) to top. A module may import its own layer and any lower one.
+RANK = {
+    "_version": 0,
+    "_errors": 0,
+    "_wire": 1,
+    "_local": 1,
+    "_transport": 2,
+    "_model": 2,
+    "_call": 3,
+    "_sessions": 4,
+    "_client": 5,
+    "cli": 7,
+    "__init__": 9,
+    "__main__": 9,
+}
+# The server toolkit runs inside Triton's stub: it imports nothing of the client. Its markers module imports
+# nothing at all, so the client's one error classifier may read the same phrases from it.
+SHARED_LEAF = "triton_npu_client.server._markers"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The package modules ``path`` imports (absolute names)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith(ROOT))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if not target.startswith(ROOT):
+                continue
+            found.add(target)
+            for alias in node.names:  # `from . import _x` names a module
+                if (PACKAGE.parent / Path(*f"{target}.{alias.name}".split("."))).with_suffix(".py").exists():
+                    found.add(f"{target}.{alias.name}")
+    found.discard(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_module_belongs_to_a_known_layer() -> None:
+    """No module sits outside the layer table (a new folder must be placed in it on purpose)."""
+    unknown = {m for m in _graph() if _layer(m) not in RANK and _layer(m) != "server"}
+    assert unknown == set()
+
+
+def test_arrows_point_down_only() -> None:
+    """Each import goes to the same layer or a lower one; the server toolkit imports only itself."""
+    upward = []
+    for module, targets in _graph().items():
+        layer = _layer(module)
+        for target in targets:
+            if target == SHARED_LEAF or target == ROOT and layer == "__init__":
+                continue
+            tlayer = _layer(target)
+            if layer == "server":
+                ok = tlayer == "server"
+            elif tlayer == "server":
+                ok = False
+            else:
+                ok = RANK[tlayer] <= RANK[layer]
+            if not ok:
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_no_import_cycles() -> None:
+    """No circle among modules (Tarjan's strongly connected components, all of size 1)."""
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_the_checker_sees_a_cycle_and_an_upward_arrow(tmp_path: Path) -> None:
+    """The checks above can fail: a lazy upward import inside a function is found."""
+    fake = tmp_path / ROOT / "_model"
+    fake.mkdir(parents=True)
+    (fake / "x.py").write_text("def f():\n    from .._client import Model\n")
+    global PACKAGE
+    saved = PACKAGE
+    PACKAGE = tmp_path / ROOT
+    try:
+        graph = _graph()
+    finally:
+        PACKAGE = saved
+    assert graph == {"triton_npu_client._model.x": {"triton_npu_client._client"}}
+    assert RANK[_layer("triton_npu_client._client")] > RANK[_layer("triton_npu_client._model.x")]
