@@ -83,7 +83,7 @@ def test_arrows_point_down_only() -> None:
     for module, targets in _graph().items():
         layer = _layer(module)
         for target in targets:
-            if target == SHARED_LEAF or target == ROOT and layer == "__init__":
+            if target == SHARED_LEAF or (target == ROOT and layer == "__init__"):
                 continue
             tlayer = _layer(target)
             if layer == "server":
