@@ -22,7 +22,7 @@ from .._errors import (
     ServerUnavailable,
     UsageError,
 )
-from .._model import ModelSpec
+from .._model import ModelSpec, Plans
 from .._sessions import SequenceSession
 from .._transport import GrpcTransport, HttpTransport, TLSConfig, Transport
 from .._transport._http import DEFAULT_HTTP_CONNECTIONS
@@ -208,7 +208,8 @@ class Client:
         self._transport = transport
         self._owns_transport = owns
         self._closed = False
-        self._models: dict[tuple[str, str], ModelSpec] = {}
+        # Spec and validated input signatures per (name, version): fetched once, dropped on load/unload.
+        self._models: dict[tuple[str, str], tuple[ModelSpec, Plans]] = {}
         # Per client object (not per transport): a copy from with_options() batches its own callers.
         self._coalescer = Coalescer(config.coalescing) if config.coalescing is not None else None
         self._caller = Caller(transport, timeout_s=config.timeout_s, retry=config.retry, coalescer=self._coalescer)
@@ -393,14 +394,14 @@ class Client:
         """A handle on ``name``: fetches its config once (cached per client until load/unload)."""
         self._check_open()
         key = (name, version)
-        spec = self._models.get(key)
-        if spec is None:
+        known = self._models.get(key)
+        if known is None:
             config = await self._transport.model_config(name, version, timeout_s=self._timeout(timeout_s))
             spec = ModelSpec.from_config(config, version=version or None)
             if not spec.inputs and not spec.outputs:
                 raise ModelNotReadyError(f"model {name!r} has no inputs or outputs in its config", model=name)
-            self._models[key] = spec
-        return Model(self._caller, spec)
+            known = self._models[key] = (spec, {})
+        return Model(self._caller, known[0], known[1])
 
     @contextlib.asynccontextmanager
     async def sequence(self, name: str, *, version: str = "", **options: Any) -> AsyncIterator[SequenceSession]:

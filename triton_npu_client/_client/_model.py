@@ -8,7 +8,7 @@ from typing import Any
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
 from .._call._caller import Caller
 from .._errors import UsageError
-from .._model import InputsArg, ModelSpec, build_request
+from .._model import InputsArg, ModelSpec, Plans, build_request
 from .._sessions import SequenceSession, open_sequence
 from .._wire import InferRequest, InferResult
 
@@ -24,11 +24,12 @@ class Model:
     network call.
     """
 
-    __slots__ = ("_caller", "_spec")
+    __slots__ = ("_caller", "_plans", "_spec")
 
-    def __init__(self, caller: Caller, spec: ModelSpec) -> None:
+    def __init__(self, caller: Caller, spec: ModelSpec, plans: Plans | None = None) -> None:
         self._caller = caller
         self._spec = spec
+        self._plans: Plans = {} if plans is None else plans
 
     def __repr__(self) -> str:
         return f"<Model {self._spec!r}>"
@@ -43,11 +44,23 @@ class Model:
         return self._spec.name
 
     @property
+    def plans(self) -> Plans:
+        """Input signatures already validated for this model (shared by the handles and sessions of one client)."""
+        return self._plans
+
+    @property
     def caller(self) -> Caller:
         """What this handle sends through: the client's transport and defaults."""
         return self._caller
 
     # -- builders (no I/O) ----------------------------------------------------------------------------
+
+    def _build(
+        self, inputs: InputsArg, named: dict[str, object], batch: bool, outputs: Sequence[str] | None, lossy: bool
+    ) -> InferRequest:
+        return build_request(
+            self._spec, inputs, named, batch=batch, outputs=outputs, allow_lossy=lossy, plans=self._plans
+        )
 
     def request(
         self,
@@ -59,7 +72,7 @@ class Model:
         **named: object,
     ) -> InferRequest:
         """A validated, encoded, reusable request in sample form (the batch dim is added for batched models)."""
-        return build_request(self._spec, inputs, named, batch=False, outputs=outputs, allow_lossy=allow_lossy)
+        return self._build(inputs, named, False, outputs, allow_lossy)
 
     def batch_request(
         self,
@@ -71,7 +84,7 @@ class Model:
         **named: object,
     ) -> InferRequest:
         """Like :meth:`request`, in batch form: every value has a leading batch dim <= ``max_batch_size``."""
-        return build_request(self._spec, inputs, named, batch=True, outputs=outputs, allow_lossy=allow_lossy)
+        return self._build(inputs, named, True, outputs, allow_lossy)
 
     # -- inference ------------------------------------------------------------------------------------
 
@@ -87,7 +100,7 @@ class Model:
         **named: object,
     ) -> InferResult:
         """Validate, encode and send one sample; outputs keep the batch dim of 1 for batched models."""
-        req = build_request(self._spec, inputs, named, batch=False, outputs=outputs, allow_lossy=allow_lossy)
+        req = self._build(inputs, named, False, outputs, allow_lossy)
         return await self.infer_request(req, timeout_s=timeout_s, request_id=request_id)
 
     async def infer_batch(
@@ -102,7 +115,7 @@ class Model:
         **named: object,
     ) -> InferResult:
         """Validate, encode and send a batch (leading dim on every input)."""
-        req = build_request(self._spec, inputs, named, batch=True, outputs=outputs, allow_lossy=allow_lossy)
+        req = self._build(inputs, named, True, outputs, allow_lossy)
         return await self.infer_request(req, timeout_s=timeout_s, request_id=request_id)
 
     async def infer_request(
@@ -158,7 +171,7 @@ class Model:
         """
         if self._spec.sequence is not None:
             raise self._refusal()
-        req = build_request(self._spec, inputs, named, batch=False, outputs=outputs, allow_lossy=allow_lossy)
+        req = self._build(inputs, named, False, outputs, allow_lossy)
         responses = self._caller.call(
             req, timeout_s=self._caller.timeout(timeout_s), route="own", many=self._spec.decoupled
         )

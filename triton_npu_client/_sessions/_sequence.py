@@ -50,7 +50,7 @@ from .._errors import (
     UsageError,
 )
 from .._errors._classify import judge_step
-from .._model import ModelSpec, build_request
+from .._model import ModelSpec, Plans, build_request
 from .._transport._base import OnSend, Responses, Route
 from .._wire import InferRequest, InferResult
 
@@ -81,6 +81,9 @@ class SessionTarget(Protocol):
 
     @property
     def caller(self) -> Caller: ...
+
+    @property
+    def plans(self) -> Plans: ...
 
 
 class SequenceIdleWarning(UserWarning):
@@ -199,6 +202,7 @@ class SequenceSession:
             self._id = validate_sequence_id(sequence_id, spec)
         self._spec = spec
         self._caller = model.caller
+        self._plans = model.plans
         self._route: Route = route
         self._timeout_s = timeout_s
         self._end_timeout_s = end_timeout_s
@@ -323,7 +327,7 @@ class SequenceSession:
 
     def _build(self, inputs: Mapping[str, object] | None, named: Mapping[str, object]) -> InferRequest:
         # Validation happens here, before the lock and before anything is sent.
-        return build_request(self._spec, inputs, named, outputs=self._outputs)
+        return build_request(self._spec, inputs, named, outputs=self._outputs, plans=self._plans)
 
     def _refuse(self) -> None:
         if self._ended:

@@ -7,7 +7,8 @@ builders that validate against a model's config live one layer up (``_model/_bui
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Final
 
 import attrs
 import numpy as np
@@ -17,6 +18,58 @@ from tritonclient.grpc import service_pb2
 __all__ = ["EncodedInput", "InferRequest"]
 
 _INT63 = 2**63
+
+
+# -- protobuf wire pieces for ModelInferRequest (field numbers from tritonclient's grpc_service.proto) ------------
+# Why by hand: the per-call fields of a request are a handful of bytes, while building and serialising a protobuf
+# object per call costs more client CPU than the rest of the SDK's request path. The constant part (model, version,
+# input metadata, outputs) is serialised once by protobuf itself; the per-call fields and the tensor bytes are
+# appended (protobuf concatenation: repeated and map fields accumulate), and a test checks that the result parses
+# to the same message ``to_grpc`` builds.
+_ID: Final = b"\x1a"  # field 3 (id), length-delimited
+_PARAM: Final = b"\x22"  # field 4 (parameters map entry), length-delimited
+_RAW: Final = b"\x3a"  # field 7 (raw_input_contents), length-delimited
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL[value]
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_SMALL: Final = tuple(bytes((i,)) for i in range(0x80))
+
+
+def _delimited(tag: bytes, payload: bytes) -> bytes:
+    return tag + _varint(len(payload)) + payload
+
+
+def _param(key: str, value: bytes) -> bytes:
+    """One ``parameters`` map entry: key (field 1) and an ``InferParameter`` value (field 2)."""
+    return _delimited(_PARAM, _delimited(b"\x0a", key.encode()) + _delimited(b"\x12", value))
+
+
+def _bool_param(key: str, flag: bool) -> bytes:
+    return _param(key, b"\x08\x01" if flag else b"\x08\x00")  # bool_param = 1
+
+
+_START = {flag: _bool_param("sequence_start", flag) for flag in (False, True)}
+_END = {flag: _bool_param("sequence_end", flag) for flag in (False, True)}
+_EMPTY_FINAL: Final = _bool_param("triton_enable_empty_final_response", True)
+
+
+@functools.lru_cache(maxsize=4096)  # a session sends the same id with every step
+def _sequence_id_param(sequence_id: int | str) -> bytes:
+    if isinstance(sequence_id, str):
+        return _param("sequence_id", _delimited(b"\x1a", sequence_id.encode()))  # string_param = 3
+    if sequence_id >= _INT63:
+        return _param("sequence_id", b"\x28" + _varint(sequence_id))  # uint64_param = 5
+    return _param("sequence_id", b"\x10" + _varint(sequence_id))  # int64_param = 2
 
 
 @attrs.frozen(kw_only=True)
@@ -47,6 +100,52 @@ class InferRequest:
     _template: service_pb2.ModelInferRequest | None = attrs.field(init=False, repr=False, eq=False, default=None)
     _sent: bool = attrs.field(init=False, repr=False, eq=False, default=False)
     _http_inputs: list[Any] | None = attrs.field(init=False, repr=False, eq=False, default=None)
+    # The serialised constant part (model, version, input metadata, outputs); a builder may hand over a cached one.
+    header: bytes | None = attrs.field(default=None, repr=False, eq=False)
+
+    def grpc_header(self) -> bytes:
+        """The serialised ``ModelInferRequest`` fields that do not change between sends of this request."""
+        header = self.header
+        if header is None:
+            header = service_pb2.ModelInferRequest(
+                model_name=self.model,
+                model_version=self.version,
+                inputs=[
+                    service_pb2.ModelInferRequest.InferInputTensor(name=i.name, datatype=i.dtype, shape=i.shape)
+                    for i in self.inputs
+                ],
+                outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name=o) for o in self.outputs],
+            ).SerializeToString()
+            object.__setattr__(self, "header", header)
+        return header
+
+    def grpc_bytes(
+        self,
+        *,
+        request_id: str = "",
+        sequence_id: int | str | None = None,
+        sequence_start: bool = False,
+        sequence_end: bool = False,
+        timeout_us: int | None = None,
+        empty_final: bool = False,
+    ) -> bytes:
+        """The serialised ``ModelInferRequest`` that :meth:`to_grpc` would build, without building it.
+
+        ``empty_final`` asks Triton for a response carrying only the final flag (decoupled models, streams).
+        """
+        parts = [self.grpc_header()]
+        if request_id:
+            parts.append(_delimited(_ID, request_id.encode()))
+        if sequence_id is not None:
+            parts += (_sequence_id_param(sequence_id), _START[sequence_start], _END[sequence_end])
+        if timeout_us is not None:
+            parts.append(_param("timeout", b"\x10" + _varint(timeout_us)))
+        if empty_final:
+            parts.append(_EMPTY_FINAL)
+        for i in self.inputs:
+            data = i.data
+            parts += (_RAW, _varint(len(data)), data)
+        return b"".join(parts)
 
     def _build(self) -> service_pb2.ModelInferRequest:
         return service_pb2.ModelInferRequest(
