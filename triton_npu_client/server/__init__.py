@@ -20,15 +20,18 @@ from ._device import (
     probe_accelerators,
     to_host,
 )
+from ._generate import SEQUENCE_BUSY, ExitReason, StepLoop, StepOutput, Stream
 from ._model import RunningStatsModel
 from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
 
 __all__ = [
     "FLAG_END",
     "FLAG_START",
+    "SEQUENCE_BUSY",
     "Accelerators",
     "BatchPlan",
     "DeviceChoice",
+    "ExitReason",
     "NumpyMoments",
     "Refusal",
     "RunningMoments",
@@ -36,6 +39,9 @@ __all__ = [
     "SequenceBatching",
     "SequenceControls",
     "SequenceSlots",
+    "StepLoop",
+    "StepOutput",
+    "Stream",
     "accelerator_possible",
     "activate",
     "choose_device",

@@ -1,0 +1,387 @@
+"""Pure unit tests of the decoupled step loop (triton_npu_client.server.StepLoop), without Triton.
+
+Fake response senders stand in for Triton's: the loop's pacing, cancellation and shutdown paths depend
+on timings a real server cannot be made to produce on demand. Most tests drive the loop pass by pass
+(``start=False``) with a hand-moved clock; the threaded tests wait for events, never for time.
+The same loop, inside a real Triton, is tested in test_seq_count_stream.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from triton_npu_client.server import SEQUENCE_BUSY, ExitReason, StepLoop, StepOutput, Stream
+
+FINAL = 1
+DEADLINE_S = 30.0  # only a bound on waiting for an event; never reached when the code is right
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeSender:
+    """Records what a stream's sender got; FINAL twice, or anything after FINAL, is a test failure."""
+
+    def __init__(self, *, on_final: Any = None) -> None:
+        self.sent: list[tuple[Any, int]] = []
+        self.cancel = False
+        self.broken_send = False
+        self.final = threading.Event()
+        self.first = threading.Event()
+        self.after_final: list[Any] = []
+        self._on_final = on_final
+        self._lock = threading.Lock()
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        if self.broken_send and not flags & FINAL:
+            raise RuntimeError("sender is gone")
+        with self._lock:
+            if self.final.is_set():
+                self.after_final.append((response, flags))
+                return
+            self.sent.append((response, flags))
+        self.first.set()
+        if flags & FINAL:
+            if self._on_final is not None:
+                self._on_final()
+            self.final.set()
+
+    def is_cancelled(self) -> bool:
+        return self.cancel
+
+    @property
+    def responses(self) -> list[Any]:
+        with self._lock:
+            return [r for r, _ in self.sent if r is not None]
+
+    @property
+    def flags(self) -> list[int]:
+        with self._lock:
+            return [f for _, f in self.sent]
+
+
+@dataclass
+class Job:
+    """Emit ``n`` pieces, waiting ``wait_s`` between two."""
+
+    n: int
+    wait_s: float = 0.0
+    emitted: list[int] = field(default_factory=list)
+
+
+class Model:
+    """Callbacks that record how the loop called them."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Any]] = []
+        self.admitted: list[tuple[list[Any], list[Any]]] = []
+        self.exits: list[tuple[Any, ExitReason]] = []
+        self.refuse: set[Any] = set()
+        self.fail_step = False
+        self.fail_admit = False
+
+    def step(self, due: Sequence[Stream[Job]]) -> list[StepOutput]:
+        self.batches.append([s.key for s in due])
+        if self.fail_step:
+            raise ValueError("boom in step")
+        outs = []
+        for s in due:
+            if s.job.n == 0:
+                outs.append(StepOutput(done=True))
+                continue
+            piece = len(s.job.emitted) + 1
+            s.job.emitted.append(piece)
+            done = piece == s.job.n
+            outs.append(StepOutput(response=(s.key, piece), done=done, wait_s=s.job.wait_s))
+        return outs
+
+    def admit(self, new: Sequence[Stream[Job]], running: Sequence[Stream[Job]]) -> list[Any]:
+        self.admitted.append(([s.key for s in new], [s.key for s in running]))
+        if self.fail_admit:
+            raise ValueError("boom in admit")
+        return [("refused", s.key) if s.key in self.refuse else None for s in new]
+
+    def on_exit(self, stream: Stream[Job], reason: ExitReason) -> None:
+        self.exits.append((stream.key, reason))
+
+
+def make_loop(model: Model, clock: FakeClock | None = None, **kwargs: Any) -> StepLoop[Job]:
+    return StepLoop(
+        step=model.step,
+        admit=model.admit,
+        on_exit=model.on_exit,
+        final_flag=FINAL,
+        error_response=lambda message: ("error", message),
+        clock=clock or FakeClock(),
+        **kwargs,
+    )
+
+
+def test_every_pass_advances_all_active_streams_by_one_response_and_ends_each_with_final() -> None:
+    """Three streams of 3, 1 and 0 pieces: one step call per pass, one response per stream per pass, FINAL last."""
+    model = Model()
+    loop = make_loop(model, start=False)
+    senders = {key: FakeSender() for key in (1, 2, 3)}
+    for key, n in ((1, 3), (2, 1), (3, 0)):
+        assert loop.submit(key, senders[key], Job(n)) is None
+    assert loop.active == 3
+
+    assert loop.run_pass() == 0.0  # stream 1 still has work and is due at once
+    assert model.batches == [[1, 2, 3]]
+    assert senders[1].sent == [((1, 1), 0)]
+    assert senders[2].sent == [((2, 1), FINAL)]  # FINAL on the last response, not alone
+    assert senders[3].sent == [(None, FINAL)]  # nothing to send: FINAL alone
+    assert loop.active == 1
+
+    loop.run_pass()
+    assert loop.run_pass() is None  # nothing left to do until the next submit
+    assert model.batches == [[1, 2, 3], [1], [1]]
+    assert senders[1].sent == [((1, 1), 0), ((1, 2), 0), ((1, 3), FINAL)]
+    assert sorted(model.exits) == [(1, "done"), (2, "done"), (3, "done")]
+    assert loop.active == 0
+    assert all(not s.after_final for s in senders.values())
+
+
+def test_a_second_step_of_a_streaming_sequence_is_refused_and_never_interleaved() -> None:
+    """While sequence 7 streams, another step of 7 is refused (busy marker); a different sequence is not."""
+    model = Model()
+    loop = make_loop(model, start=False)
+    first = FakeSender()
+    assert loop.submit(7, first, Job(3)) is None
+    loop.run_pass()
+    refusal = loop.submit(7, FakeSender(), Job(5))
+    assert refusal is not None
+    assert refusal.reason == "busy"
+    assert refusal.message.startswith(SEQUENCE_BUSY)
+    assert "sequence 7 is busy" in refusal.message
+    assert loop.submit(8, FakeSender(), Job(1)) is None
+    while loop.run_pass() is not None:
+        pass
+    # The refused step never reached the model: stream 7 emitted exactly its own three pieces.
+    assert first.responses == [(7, 1), (7, 2), (7, 3)]
+    assert all(keys.count(7) == 1 for keys in model.batches)
+    assert loop.submit(7, FakeSender(), Job(1)) is None  # free again once its step ended
+
+
+def test_the_sequence_is_free_before_its_final_flag_goes_out() -> None:
+    """A client that sends the next step the moment it reads FINAL must not be told the sequence is busy."""
+    model = Model()
+    loop = make_loop(model, start=False)
+    verdicts: list[Any] = []
+    sender = FakeSender(on_final=lambda: verdicts.append(loop.submit(5, FakeSender(), Job(1))))
+    loop.submit(5, sender, Job(2))
+    loop.run_pass()
+    loop.run_pass()
+    assert sender.final.is_set()
+    assert verdicts == [None]
+
+
+def test_a_cancelled_stream_stops_at_the_next_pass_and_the_others_go_on() -> None:
+    """Cancelling stream 1 mid-way: FINAL alone, no more steps, counted; stream 2 runs to its end."""
+    model = Model()
+    loop = make_loop(model, start=False)
+    one, two = FakeSender(), FakeSender()
+    loop.submit(1, one, Job(100))
+    loop.submit(2, two, Job(4))
+    loop.run_pass()
+    loop.run_pass()
+    one.cancel = True
+    loop.run_pass()
+    assert one.sent == [((1, 1), 0), ((1, 2), 0), (None, FINAL)]
+    assert loop.cancelled == 1
+    assert (1, "cancelled") in model.exits
+    while loop.run_pass() is not None:
+        pass
+    assert two.responses == [(2, 1), (2, 2), (2, 3), (2, 4)]
+    assert two.flags[-1] == FINAL
+    assert all(1 not in keys for keys in model.batches[2:])
+    assert loop.cancelled == 1
+
+
+def test_a_stream_cancelled_before_admission_is_never_admitted() -> None:
+    """Cancelled while queued: counted, FINAL sent, and neither admit, step nor on_exit sees it."""
+    model = Model()
+    loop = make_loop(model, start=False)
+    sender = FakeSender()
+    loop.submit(3, sender, Job(5))
+    sender.cancel = True
+    assert loop.run_pass() is None
+    assert sender.sent == [(None, FINAL)]
+    assert loop.cancelled == 1
+    assert model.admitted == []
+    assert model.batches == []
+    assert model.exits == []
+
+
+def test_pacing_waits_between_steps_and_still_sees_cancellation_while_waiting() -> None:
+    """wait_s delays the next step; the loop's wait is capped so cancellation is checked meanwhile."""
+    model = Model()
+    clock = FakeClock()
+    loop = make_loop(model, clock, start=False, cancel_poll_s=0.05)
+    slow, fast = FakeSender(), FakeSender()
+    loop.submit(1, slow, Job(3, wait_s=1.0))
+    loop.submit(2, fast, Job(10, wait_s=0.01))
+    assert loop.run_pass() == pytest.approx(0.01)
+    clock.now += 0.01
+    loop.run_pass()
+    assert slow.responses == [(1, 1)]  # not due yet
+    assert fast.responses == [(2, 1), (2, 2)]
+    fast.cancel = True
+    assert loop.run_pass() == pytest.approx(0.05)  # 0.98 s to go, but the wait is capped for cancellations
+    assert fast.flags[-1] == FINAL
+    slow.cancel = True
+    clock.now += 0.05
+    assert loop.run_pass() is None
+    assert slow.sent == [((1, 1), 0), (None, FINAL)]  # stopped while waiting: no second step taken
+    assert loop.cancelled == 2
+
+
+def test_admit_sees_new_and_running_streams_and_can_refuse() -> None:
+    """admit gets the arrivals and the running streams; a refused arrival gets its response with FINAL."""
+    model = Model()
+    model.refuse = {9}
+    loop = make_loop(model, start=False)
+    loop.submit(1, FakeSender(), Job(5))
+    loop.run_pass()
+    refused = FakeSender()
+    loop.submit(9, refused, Job(5))
+    loop.submit(2, FakeSender(), Job(5))
+    loop.run_pass()
+    assert model.admitted == [([1], []), ([9, 2], [1])]
+    assert refused.sent == [(("refused", 9), FINAL)]
+    assert all(9 not in keys for keys in model.batches)
+    assert (9, "failed") not in model.exits  # never admitted: nothing of it to free
+    assert loop.submit(9, FakeSender(), Job(1)) is None  # its sequence is free again
+
+
+@pytest.mark.parametrize("where", ["step", "admit"])
+def test_a_failing_callback_fails_its_streams_and_the_loop_goes_on(where: str) -> None:
+    """An exception in step/admit ends the affected streams with an error and FINAL; later streams run."""
+    model = Model()
+    loop = make_loop(model, start=False)
+    victim = FakeSender()
+    loop.submit(1, victim, Job(3))
+    setattr(model, f"fail_{where}", True)
+    loop.run_pass()
+    assert len(victim.sent) == 1
+    response, flags = victim.sent[0]
+    assert flags == FINAL
+    assert response[0] == "error"
+    assert f"boom in {where}" in response[1]
+    setattr(model, f"fail_{where}", False)
+    later = FakeSender()
+    loop.submit(1, later, Job(2))
+    while loop.run_pass() is not None:
+        pass
+    assert later.responses == [(1, 1), (1, 2)]
+
+
+def test_a_step_returning_the_wrong_number_of_outputs_fails_its_streams() -> None:
+    """A buggy step callback (one output for two streams) ends both with an error, never a misrouted response."""
+    loop: StepLoop[Job] = StepLoop(
+        step=lambda due: [StepOutput(response="x")],
+        final_flag=FINAL,
+        error_response=lambda message: ("error", message),
+        start=False,
+    )
+    a, b = FakeSender(), FakeSender()
+    loop.submit(1, a, Job(1))
+    loop.submit(2, b, Job(1))
+    loop.run_pass()
+    for sender in (a, b):
+        assert sender.flags == [FINAL]
+        assert "1 outputs for 2 streams" in sender.sent[0][0][1]
+    assert loop.active == 0
+
+
+def test_a_broken_sender_or_is_cancelled_ends_only_its_stream() -> None:
+    """send() raising ends that stream (on_exit "failed"); is_cancelled() raising counts as cancelled."""
+    model = Model()
+    loop = make_loop(model, start=False)
+    broken, odd, fine = FakeSender(), FakeSender(), FakeSender()
+    broken.broken_send = True
+
+    def unsure() -> bool:
+        raise RuntimeError("lost")
+
+    loop.submit(1, broken, Job(5))
+    loop.submit(2, odd, Job(5))
+    loop.submit(3, fine, Job(2))
+    odd.is_cancelled = unsure  # type: ignore[method-assign]
+    loop.run_pass()
+    loop.run_pass()
+    assert broken.sent == [(None, FINAL)]
+    assert (1, "failed") in model.exits
+    assert odd.sent == [(None, FINAL)]
+    assert loop.cancelled == 1
+    assert fine.responses == [(3, 1), (3, 2)]
+
+
+def test_threaded_loop_streams_concurrently_and_stops_a_cancelled_stream_within_one_step() -> None:
+    """On its thread: a cancelled endless stream gets at most one more response, a finite one completes."""
+    model = Model()
+    loop = StepLoop(
+        step=model.step,
+        admit=model.admit,
+        on_exit=model.on_exit,
+        final_flag=FINAL,
+        error_response=lambda message: ("error", message),
+        name="test-step-loop-cancel",
+    )
+    try:
+        endless, finite = FakeSender(), FakeSender()
+        loop.submit(1, endless, Job(10**9, wait_s=0.001))
+        loop.submit(2, finite, Job(50, wait_s=0.001))
+        assert finite.final.wait(DEADLINE_S)
+        seen = len(endless.responses)
+        assert seen >= 1
+        endless.cancel = True
+        assert endless.final.wait(DEADLINE_S)
+        assert len(endless.responses) <= seen + 1  # a pass already past its check may send one more
+        assert loop.cancelled == 1
+        assert finite.responses == [(2, i) for i in range(1, 51)]
+        assert loop.active == 0
+    finally:
+        loop.close()
+
+
+def test_close_wakes_a_waiting_loop_and_ends_every_stream() -> None:
+    """close() returns although the loop waits on an hour-long pace; streams get an error with FINAL."""
+    model = Model()
+    name = "test-step-loop-close"
+    loop = StepLoop(
+        step=model.step,
+        admit=model.admit,
+        on_exit=model.on_exit,
+        final_flag=FINAL,
+        error_response=lambda message: ("error", message),
+        cancel_poll_s=3600.0,
+        name=name,
+    )
+    waiting = FakeSender()
+    loop.submit(1, waiting, Job(3, wait_s=3600.0))
+    assert waiting.first.wait(DEADLINE_S)  # the first step is immediate; then the loop waits for an hour
+    loop.close(timeout_s=DEADLINE_S)
+    assert name not in {t.name for t in threading.enumerate()}
+    assert waiting.flags == [0, FINAL]
+    assert waiting.sent[-1][0] == ("error", "the model is shutting down")
+    assert (1, "shutdown") in model.exits
+    refusal = loop.submit(2, FakeSender(), Job(1))
+    assert refusal is not None
+    assert refusal.reason == "closed"
+    assert loop.closed
+
+
+def test_cancel_poll_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="cancel_poll_s"):
+        StepLoop(step=lambda due: [], final_flag=FINAL, error_response=str, cancel_poll_s=0, start=False)

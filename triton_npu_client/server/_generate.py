@@ -1,0 +1,324 @@
+"""A background step loop for decoupled models: many streaming requests advanced together, one step at a time.
+
+``execute`` reads its requests, hands each one's response sender and a job to :meth:`StepLoop.submit`
+and returns ``None``; one thread then runs every active stream in passes. A pass checks each sender's
+``is_cancelled()``, admits the streams that arrived since the last pass (one ``admit`` call for all of
+them), then calls ``step`` once for every stream that is due, so each pass sends at most one response
+per stream: the shape continuous batching takes (``admit`` = prefill, ``step`` = one decode step for
+the whole batch, ``on_exit`` = free what the stream held).
+
+Why a stream is serialised per sequence: Triton 2.51 releases a request when ``execute`` returns, so
+the sequence batcher may deliver the next step of a sequence while the previous one still streams
+here. :meth:`StepLoop.submit` refuses such a step (a :class:`Refusal` with reason ``"busy"``) instead
+of interleaving two steps over one sequence's state.
+
+Pure Python: the senders are duck-typed (``send(response=None, flags=0)``, ``is_cancelled()``) and the
+pb-specific pieces (the FINAL flag, how an error response is built) are passed in, so the loop runs
+and is tested without Triton.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from ._controls import CorrelationId
+from ._state import Clock, Refusal
+
+__all__ = ["SEQUENCE_BUSY", "ExitReason", "StepLoop", "StepOutput", "Stream"]
+
+_log = logging.getLogger("triton_npu_client.server")
+
+J = TypeVar("J")
+
+#: Begins the refusal of a step whose sequence still streams its previous step: same form as the markers
+#: of ``_markers``, so a client can tell it apart over the stream, where an error is only its text.
+SEQUENCE_BUSY = "[triton-npu:sequence-busy]"
+
+ExitReason = Literal["done", "cancelled", "failed", "shutdown"]
+
+#: How long the loop may go without checking cancellations while streams wait for their next step.
+DEFAULT_CANCEL_POLL_S = 0.05
+
+
+@dataclass(eq=False, slots=True)
+class Stream(Generic[J]):
+    """One active request: its sequence, its response sender and the model's job (mutable, the model's own).
+
+    ``steps`` counts the steps taken (0 until the first); ``not_before`` is the loop clock's time before
+    which the next step is not taken (see :attr:`StepOutput.wait_s`).
+    """
+
+    key: CorrelationId
+    sender: Any
+    job: J
+    steps: int = 0
+    not_before: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOutput:
+    """What one step of one stream produced.
+
+    ``response`` is sent as is (None: nothing to send this step); ``done`` ends the stream, with the
+    FINAL flag on ``response`` or alone. ``wait_s`` delays the stream's next step (pacing); the loop
+    keeps checking cancellations while it waits.
+    """
+
+    response: Any = None
+    done: bool = False
+    wait_s: float = 0.0
+
+
+StepFn = Callable[[Sequence[Stream[J]]], Sequence[StepOutput]]
+AdmitFn = Callable[[Sequence[Stream[J]], Sequence[Stream[J]]], Sequence[Any]]
+ExitFn = Callable[[Stream[J], ExitReason], None]
+
+
+class StepLoop(Generic[J]):
+    """Runs submitted streams on one background thread, all due streams advanced together each pass.
+
+    ``step(due)`` returns one :class:`StepOutput` per stream, in order. ``admit(new, running)``
+    (optional) is called once per pass for the streams that arrived, before their first step, with the
+    streams already running; it returns, per new stream, None to admit it or a response that refuses it
+    (sent with the FINAL flag). ``on_exit(stream, reason)`` (optional) runs when an admitted stream
+    leaves, before its FINAL flag is sent. ``error_response(message)`` builds the error response sent
+    when a callback raises or the loop shuts down. ``final_flag`` is
+    ``pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL``.
+
+    Every callback runs on the loop's thread, one at a time: model state they share needs no lock.
+    ``start=False`` runs no thread: the caller drives :meth:`run_pass` (tests, with an injected clock).
+    """
+
+    def __init__(
+        self,
+        *,
+        step: StepFn[J],
+        final_flag: int,
+        error_response: Callable[[str], Any],
+        admit: AdmitFn[J] | None = None,
+        on_exit: ExitFn[J] | None = None,
+        cancel_poll_s: float = DEFAULT_CANCEL_POLL_S,
+        clock: Clock = time.monotonic,
+        name: str = "step-loop",
+        start: bool = True,
+    ) -> None:
+        if cancel_poll_s <= 0:
+            raise ValueError(f"cancel_poll_s must be > 0, got {cancel_poll_s}")
+        self._step = step
+        self._admit = admit
+        self._on_exit = on_exit
+        self._final = final_flag
+        self._error_response = error_response
+        self._cancel_poll_s = cancel_poll_s
+        self._clock = clock
+        self._cond = threading.Condition()
+        # Guarded by _cond: what execute threads and the loop thread share.
+        self._pending: list[Stream[J]] = []
+        self._busy: set[CorrelationId] = set()
+        self._closing = False
+        # Loop thread only.
+        self._running: list[Stream[J]] = []
+        self._cancelled = 0
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"StepLoop(active={self.active}, cancelled={self.cancelled}, closed={self.closed})"
+
+    @property
+    def active(self) -> int:
+        """Streams submitted and not yet finished (waiting for admission included)."""
+        with self._cond:
+            return len(self._busy)
+
+    @property
+    def closed(self) -> bool:
+        with self._cond:
+            return self._closing
+
+    @property
+    def cancelled(self) -> int:
+        """Streams stopped because their request was cancelled (or could not say), since the loop started."""
+        return self._cancelled
+
+    def submit(self, key: CorrelationId, sender: Any, job: J) -> Refusal | None:
+        """Queue a stream for sequence ``key``; a :class:`Refusal` (nothing queued) when it cannot run.
+
+        ``"busy"``: a step of ``key`` is still streaming (steps of one sequence must not overlap);
+        ``"closed"``: the loop is shutting down. The caller answers a refusal itself.
+        """
+        with self._cond:
+            if self._closing:
+                return Refusal(reason="closed", message="the model is shutting down; no new steps are accepted")
+            if key in self._busy:
+                return Refusal(
+                    reason="busy",
+                    message=f"{SEQUENCE_BUSY} sequence {key!r} is busy: its previous step is still streaming; "
+                    "steps of a sequence must not overlap (wait for the final response, or for a cancelled step "
+                    "to stop)",
+                )
+            self._busy.add(key)
+            self._pending.append(Stream(key=key, sender=sender, job=job, not_before=self._clock()))
+            self._cond.notify()
+        return None
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop: every unfinished stream gets an error with the FINAL flag; waits up to ``timeout_s`` for the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                _log.warning("step loop thread still running %g s after close", timeout_s)
+        else:
+            self._shutdown()
+
+    def run_pass(self) -> float | None:
+        """One pass: cancellations, admissions, one step of every due stream.
+
+        Returns how long the loop may wait before the next pass (None: nothing to do until a submit).
+        """
+        with self._cond:
+            new, self._pending = self._pending, []
+        running = self._drop_cancelled(self._running, admitted=True)
+        arrived = self._drop_cancelled(new, admitted=False)
+        self._running = running
+        if arrived:
+            self._running = running + self._admitted(arrived, running)
+        now = self._clock()
+        due = [s for s in self._running if s.not_before <= now]
+        if due:
+            self._advance(due, now)
+        if not self._running:
+            return None
+        wait = min(s.not_before for s in self._running) - self._clock()
+        return min(max(wait, 0.0), self._cancel_poll_s)
+
+    def _drop_cancelled(self, streams: list[Stream[J]], *, admitted: bool) -> list[Stream[J]]:
+        kept = []
+        for stream in streams:
+            if self._is_cancelled(stream):
+                self._cancelled += 1
+                self._finish(stream, None, "cancelled", admitted=admitted)
+            else:
+                kept.append(stream)
+        return kept
+
+    def _admitted(self, arrived: list[Stream[J]], running: list[Stream[J]]) -> list[Stream[J]]:
+        if self._admit is None:
+            return arrived
+        try:
+            verdicts = list(self._admit(arrived, running))
+            if len(verdicts) != len(arrived):
+                raise RuntimeError(f"admit returned {len(verdicts)} verdicts for {len(arrived)} streams")
+        except Exception as err:
+            _log.exception("admit failed for %d stream(s)", len(arrived))
+            for stream in arrived:
+                self._finish(stream, self._error(f"admitting the request failed: {err}"), "failed", admitted=False)
+            return []
+        admitted = []
+        for stream, verdict in zip(arrived, verdicts, strict=True):
+            if verdict is None:
+                admitted.append(stream)
+            else:
+                self._finish(stream, verdict, "failed", admitted=False)
+        return admitted
+
+    def _advance(self, due: list[Stream[J]], now: float) -> None:
+        try:
+            outputs = list(self._step(due))
+            if len(outputs) != len(due):
+                raise RuntimeError(f"step returned {len(outputs)} outputs for {len(due)} streams")
+        except Exception as err:
+            _log.exception("step failed for %d stream(s)", len(due))
+            failed = set(map(id, due))
+            self._running = [s for s in self._running if id(s) not in failed]
+            for stream in due:
+                self._finish(stream, self._error(f"computing the next response failed: {err}"), "failed")
+            return
+        ended: set[int] = set()
+        for stream, out in zip(due, outputs, strict=True):
+            stream.steps += 1
+            if out.done:
+                ended.add(id(stream))
+                self._finish(stream, out.response, "done")
+                continue
+            stream.not_before = now + max(out.wait_s, 0.0)
+            if out.response is None:
+                continue
+            try:
+                stream.sender.send(out.response, flags=0)
+            except Exception as err:
+                _log.warning("sending a response for sequence %r failed: %s", stream.key, err)
+                ended.add(id(stream))
+                self._finish(stream, None, "failed")
+        if ended:
+            self._running = [s for s in self._running if id(s) not in ended]
+
+    def _finish(self, stream: Stream[J], response: Any, reason: ExitReason, *, admitted: bool = True) -> None:
+        """End ``stream``: free its sequence, run ``on_exit``, then send ``response`` (or nothing) with FINAL."""
+        # Free the sequence before the FINAL goes out: a client that sends the next step as soon as
+        # it reads FINAL must find the sequence free, not busy.
+        with self._cond:
+            self._busy.discard(stream.key)
+        if admitted and self._on_exit is not None:
+            try:
+                self._on_exit(stream, reason)
+            except Exception:
+                _log.exception("on_exit failed for sequence %r", stream.key)
+        try:
+            if response is None:
+                stream.sender.send(flags=self._final)
+            else:
+                stream.sender.send(response, flags=self._final)
+        except Exception as err:
+            # A cancelled request may refuse further sends; the stream is over either way.
+            _log.debug("final send for sequence %r (%s) failed: %s", stream.key, reason, err)
+
+    def _is_cancelled(self, stream: Stream[J]) -> bool:
+        try:
+            return bool(stream.sender.is_cancelled())
+        except Exception as err:
+            _log.warning("is_cancelled() failed for sequence %r, treated as cancelled: %s", stream.key, err)
+            return True
+
+    def _error(self, message: str) -> Any:
+        try:
+            return self._error_response(message)
+        except Exception:
+            _log.exception("building an error response failed")
+            return None
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            self._closing = True
+            new, self._pending = self._pending, []
+        running, self._running = self._running, []
+        for stream in running:
+            self._finish(stream, self._error("the model is shutting down"), "shutdown")
+        for stream in new:
+            self._finish(stream, self._error("the model is shutting down"), "shutdown", admitted=False)
+
+    def _run(self) -> None:
+        wait: float | None = None
+        while True:
+            with self._cond:
+                if not self._closing and not self._pending:
+                    self._cond.wait(wait)
+                if self._closing:
+                    break
+            try:
+                wait = self.run_pass()
+            except Exception:
+                # The loop must outlive any bug in one pass, or every later request would hang.
+                _log.exception("step loop pass failed")
+                wait = self._cancel_poll_s
+        self._shutdown()
