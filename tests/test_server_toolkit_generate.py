@@ -385,3 +385,35 @@ def test_close_wakes_a_waiting_loop_and_ends_every_stream() -> None:
 def test_cancel_poll_must_be_positive() -> None:
     with pytest.raises(ValueError, match="cancel_poll_s"):
         StepLoop(step=lambda due: [], final_flag=FINAL, error_response=str, cancel_poll_s=0, start=False)
+
+
+def test_a_step_after_a_cancelled_one_is_accepted_at_once_and_runs_after_it_is_reaped() -> None:
+    """Cancel, then the next step of the same sequence before the loop noticed: accepted, never interleaved."""
+    model = Model()
+    loop = make_loop(model, start=False)
+    old = FakeSender()
+    assert loop.submit(7, old, Job(100)) is None
+    loop.run_pass()
+    old.cancel = True
+    new = FakeSender()
+    assert loop.submit(7, new, Job(2)) is None  # no busy refusal, no wait
+    while loop.run_pass() is not None:
+        pass
+    assert model.exits[0] == (7, "cancelled")  # the old stream left before the new one ran
+    assert old.responses == [(7, 1)]
+    assert new.responses == [(7, 1), (7, 2)]
+    assert loop.submit(7, FakeSender(), Job(1)) is None
+
+
+def test_a_step_of_a_busy_sequence_waits_for_the_previous_one_within_the_grace() -> None:
+    """A step that arrives while the previous one is finishing waits (bounded) and is then accepted."""
+    model = Model()
+    loop = make_loop(model, busy_grace_s=DEADLINE_S)  # threaded: the loop finishes the old step meanwhile
+    try:
+        old = FakeSender()
+        assert loop.submit(7, old, Job(3, wait_s=0.0)) is None
+        assert loop.submit(7, FakeSender(), Job(1)) is None  # waited for the old step's FINAL
+        assert old.final.is_set()
+        assert old.responses == [(7, 1), (7, 2), (7, 3)]
+    finally:
+        loop.close()

@@ -134,3 +134,15 @@ async def test_http_refuses_a_decoupled_sequence_model(triton_server: LocalTrito
         model = await client.model(MODEL)
         with pytest.raises(UsageError, match="gRPC"):
             model.sequence()
+
+
+async def test_the_next_step_right_after_a_cancel_is_accepted(counter: Model) -> None:
+    """Cancel a streamed step and send the next one at once: not refused as busy, and it continues the counter."""
+    async with counter.sequence() as seq:
+        for _ in range(3):
+            async with contextlib.aclosing(seq.stream(n(10_000, delay_ms=5))) as responses:
+                async for r in responses:
+                    if int(r["VALUE"][0, 0]) % 2 == 0:
+                        break
+            assert len(values([r async for r in seq.stream(n(1))])) == 1
+        assert seq.is_open

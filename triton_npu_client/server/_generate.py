@@ -38,6 +38,8 @@ J = TypeVar("J")
 #: Begins the refusal of a step whose sequence still streams its previous step: same form as the markers
 #: of ``_markers``, so a client can tell it apart over the stream, where an error is only its text.
 SEQUENCE_BUSY = "[triton-npu:sequence-busy]"
+DEFAULT_BUSY_GRACE_S = 0.5
+_BUSY_POLL_S = 0.02
 
 ExitReason = Literal["done", "cancelled", "failed", "shutdown"]
 
@@ -103,6 +105,7 @@ class StepLoop(Generic[J]):
         admit: AdmitFn[J] | None = None,
         on_exit: ExitFn[J] | None = None,
         cancel_poll_s: float = DEFAULT_CANCEL_POLL_S,
+        busy_grace_s: float = DEFAULT_BUSY_GRACE_S,
         clock: Clock = time.monotonic,
         name: str = "step-loop",
         start: bool = True,
@@ -115,11 +118,13 @@ class StepLoop(Generic[J]):
         self._final = final_flag
         self._error_response = error_response
         self._cancel_poll_s = cancel_poll_s
+        self._busy_grace_s = busy_grace_s
         self._clock = clock
         self._cond = threading.Condition()
         # Guarded by _cond: what execute threads and the loop thread share.
         self._pending: list[Stream[J]] = []
-        self._busy: set[CorrelationId] = set()
+        # The stream each sequence is running (or queued) with: one at a time per sequence.
+        self._busy: dict[CorrelationId, Stream[J]] = {}
         self._closing = False
         # Loop thread only.
         self._running: list[Stream[J]] = []
@@ -157,23 +162,38 @@ class StepLoop(Generic[J]):
         with self._cond:
             if self._closing:
                 return Refusal(reason="closed", message="the model is shutting down; no new steps are accepted")
-            if key in self._busy:
+            # A client that cancels a step and sends the next one at once must not be told "busy": the server may
+            # see the new request a moment before it sees the cancellation, or before the loop reaps the stream.
+            # So a step of a busy sequence waits up to busy_grace_s for the previous one to end or be cancelled.
+            # The loop drops a cancelled stream (running its on_exit) before it admits the next, so the two never
+            # overlap; only a step still streaming after the grace is refused.
+            # Real time, not the injected clock: this bounds how long an execute thread blocks here.
+            deadline = time.monotonic() + self._busy_grace_s
+            while (current := self._busy.get(key)) is not None and not self._is_cancelled(current):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    break
+                self._cond.wait(min(left, _BUSY_POLL_S))
+            if self._closing:
+                return Refusal(reason="closed", message="the model is shutting down; no new steps are accepted")
+            if current is not None and not self._is_cancelled(current):
                 return Refusal(
                     reason="busy",
                     message=f"{SEQUENCE_BUSY} sequence {key!r} is busy: its previous step is still streaming; "
                     "steps of a sequence must not overlap (wait for the final response, or for a cancelled step "
                     "to stop)",
                 )
-            self._busy.add(key)
-            self._pending.append(Stream(key=key, sender=sender, job=job, not_before=self._clock()))
-            self._cond.notify()
+            stream = Stream(key=key, sender=sender, job=job, not_before=self._clock())
+            self._busy[key] = stream
+            self._pending.append(stream)
+            self._cond.notify_all()
         return None
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop: every unfinished stream gets an error with the FINAL flag; waits up to ``timeout_s`` for the thread."""
         with self._cond:
             self._closing = True
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -268,7 +288,9 @@ class StepLoop(Generic[J]):
         # Free the sequence before the FINAL goes out: a client that sends the next step as soon as
         # it reads FINAL must find the sequence free, not busy.
         with self._cond:
-            self._busy.discard(stream.key)
+            if self._busy.get(stream.key) is stream:
+                del self._busy[stream.key]
+                self._cond.notify_all()  # a next step of this sequence may be waiting in submit()
         if admitted and self._on_exit is not None:
             try:
                 self._on_exit(stream, reason)

@@ -83,7 +83,9 @@ class TritonPythonModel:
                 controls = read_controls(
                     self._batching, correlation_id=request.correlation_id(), flags=request.flags(), tensors=tensors
                 )
-                job = _Job(controls, _one_int(request, "N"), _one_int(request, "DELAY_MS", 0) / 1000.0)
+                # END with no N closes the sequence without a step (what a client sends to end a session).
+                n = _one_int(request, "N", 0 if controls.end else None)
+                job = _Job(controls, n, _one_int(request, "DELAY_MS", 0) / 1000.0)
             except ValueError as err:
                 sender.send(_error(str(err), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
                 continue
