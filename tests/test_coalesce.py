@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 
+import attrs
 import numpy as np
 import pytest
 
-from triton_npu_client import Client, ClientClosedError, Coalescing, InferResult, LocalTriton, Model
-from triton_npu_client._call._coalesce import merge, split
-from triton_npu_client._model import ModelSpec
+from triton_npu_client import (
+    Client,
+    ClientClosedError,
+    Coalescing,
+    InferResult,
+    InvalidArgumentError,
+    LocalTriton,
+    Model,
+    RequestTimeout,
+)
+from triton_npu_client._call._coalesce import Coalescer, merge, split
+from triton_npu_client._model import ModelSpec, build_request
+from triton_npu_client._wire import InferRequest
 
 MODEL = "scale_fp32"
 
@@ -24,6 +36,43 @@ async def _counts(client: Client) -> tuple[int, int]:
     return sum(s.success_count for s in stats), sum(s.inference_count for s in stats)
 
 
+async def _counts_reaching(client: Client, rows: int) -> tuple[int, int]:
+    """:func:`_counts` once the server has counted ``rows`` rows (or 30 s passed: the caller's assert fails).
+
+    Triton updates a request's statistics after it has sent the response, so a caller holding its answer
+    can read counts that do not include it yet. Each poll is one statistics call, which paces the loop.
+    """
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + 30.0
+    while True:
+        counts = await _counts(client)
+        if counts[1] >= rows or loop.time() > give_up:
+            return counts
+
+
+class _Gate:
+    """A ``send`` for :meth:`Coalescer.infer` that records each merged request and holds it until opened.
+
+    Opened, the merged request goes to the real server through a client without coalescing.
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.sent: list[int] = []  # rows of each merged request, in the order they were sent
+        self._opened: collections.defaultdict[int, asyncio.Event] = collections.defaultdict(asyncio.Event)
+
+    def open(self, *indexes: int) -> None:
+        """Let the merged requests of these indexes (0: the first sent) through."""
+        for i in indexes:
+            self._opened[i].set()
+
+    async def __call__(self, merged: InferRequest) -> InferResult:
+        index = len(self.sent)
+        self.sent.append(merged.batch_size or 0)
+        await self._opened[index].wait()
+        return await self.model.infer_request(merged)
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 async def test_concurrent_callers_share_requests_and_get_their_own_rows(
     triton_server: LocalTriton, protocol: str
@@ -35,7 +84,7 @@ async def test_concurrent_callers_share_requests_and_get_their_own_rows(
         # Two lengths of the -1 dim: they cannot share a batch, so they travel in separate groups.
         inputs = [np.arange(3 + (i % 2) * 2, dtype=np.float32) + i for i in range(64)]
         results = await asyncio.gather(*(model.infer(INPUT0=x) for x in inputs))
-        after = await _counts(client)
+        after = await _counts_reaching(client, before[1] + 64)
     for x, result in zip(inputs, results, strict=True):
         np.testing.assert_array_equal(result["OUTPUT0"], 2 * x[np.newaxis, :])
     requests, rows = after[0] - before[0], after[1] - before[1]
@@ -56,7 +105,7 @@ async def test_a_caller_cancelled_while_queued_is_never_sent(triton_server: Loca
         ra, rc = await a, await c
         with pytest.raises(asyncio.CancelledError):
             await b
-        after = await _counts(client)
+        after = await _counts_reaching(client, before[1] + 2)
     assert ra["OUTPUT0"].tolist() == [[2.0]]
     assert rc["OUTPUT0"].tolist() == [[6.0]]
     assert after[1] - before[1] == 2  # rows of a and c only
@@ -92,10 +141,8 @@ def test_merge_and_split_keep_rows_in_order_for_bytes() -> None:
             "output": [{"name": "T", "data_type": "TYPE_STRING", "dims": ["2"]}],
         }
     )
-    m = Model.__new__(Model)
-    m._spec = spec  # builders only: no client needed
-    one = m.request(T=["a", "b\x00"])
-    two = m.batch_request(T=[["c", "d"], ["\u00e9", ""]])
+    one = build_request(spec, {"T": ["a", "b\x00"]})
+    two = build_request(spec, {"T": [["c", "d"], ["\u00e9", ""]]}, batch=True)
     merged = merge([one, two])
     assert merged.batch_size == 3
     assert merged.inputs[0].shape == (3, 2)
@@ -103,3 +150,173 @@ def test_merge_and_split_keep_rows_in_order_for_bytes() -> None:
     parts = split(InferResult(model="m", outputs={"T": arr}), [1, 2])
     assert parts[0]["T"].tolist() == [[b"a", b"b\x00"]]
     assert parts[1]["T"].tolist() == [[b"c", b"d"], ["\u00e9".encode(), b""]]
+
+
+async def test_a_full_queue_makes_callers_wait_for_room(triton_server: LocalTriton) -> None:
+    """With max_queued=2, callers beyond two wait outside the queue: no batch is cut from more than two."""
+    async with Client(triton_server.grpc_url) as plain:
+        model = await plain.model(MODEL)
+        gate = _Gate(model)
+        gate.open(0, 1, 2, 3)
+        coalescer = Coalescer(Coalescing(max_in_flight=1, max_queued=2))
+        calls = [
+            coalescer.infer(model.request(INPUT0=[float(i)]), timeout_s=None, max_batch_size=64, send=gate)
+            for i in range(7)
+        ]
+        # The first leaves at once; the next two queue; the last four wait for room, admitted two by two.
+        results = await asyncio.gather(*calls)
+        await coalescer.aclose()
+    assert [r["OUTPUT0"].tolist() for r in results] == [[[2.0 * i]] for i in range(7)]
+    assert gate.sent == [1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("where", ["queued", "waiting_for_room"])
+async def test_a_deadline_passing_while_queued_fails_the_caller_and_sends_nothing(
+    triton_server: LocalTriton, where: str
+) -> None:
+    """The timeout counts from the call: queued (or waiting for room) when it passes, nothing is sent.
+
+    The request already out (held by the gate) times out too: the coalescer enforces its callers' deadline
+    whatever ``send`` does with its own.
+    """
+    async with Client(triton_server.grpc_url) as plain:
+        model = await plain.model(MODEL)
+        gate = _Gate(model)
+        # Room for one: 1 queued, 2 and 3 waiting for room. Default room: 1 to 3 queued.
+        policy = (
+            Coalescing(max_in_flight=1, max_queued=1) if where == "waiting_for_room" else Coalescing(max_in_flight=1)
+        )
+        coalescer = Coalescer(policy)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        tasks = [
+            asyncio.create_task(
+                coalescer.infer(model.request(INPUT0=[float(i)]), timeout_s=0.5, max_batch_size=64, send=gate)
+            )
+            for i in range(4)
+        ]  # 0 is sent at once and held by the gate
+        # 30 s: only a hang-guard for code without deadlines; the timeouts are 0.5 s.
+        done, _ = await asyncio.wait(tasks, timeout=30)
+        elapsed = loop.time() - started
+        assert done == set(tasks)
+        errors = [t.exception() for t in tasks]
+        gate.open(1)
+        after = await coalescer.infer(model.request(INPUT0=[5.0]), timeout_s=0.5, max_batch_size=64, send=gate)
+        await coalescer.aclose()
+    assert all(isinstance(e, RequestTimeout) for e in errors), errors
+    assert all(e.model == MODEL for e in errors if isinstance(e, RequestTimeout))
+    assert elapsed >= 0.45  # asyncio's timers may fire up to a clock tick early
+    assert gate.sent == [1, 1]  # the held one, then the one after: none of the expired three
+    assert after["OUTPUT0"].tolist() == [[10.0]]
+
+
+async def test_a_merged_request_runs_under_the_earliest_deadline_of_its_callers(triton_server: LocalTriton) -> None:
+    """b and c (same timeout, c called later) leave together; the merged call ends at b's deadline, before c's."""
+    timeout = 2.0
+    async with Client(triton_server.grpc_url) as plain:
+        model = await plain.model(MODEL)
+        gate = _Gate(model)
+        coalescer = Coalescer(Coalescing(max_in_flight=1))
+        loop = asyncio.get_running_loop()
+
+        async def call(x: float) -> tuple[float, float, BaseException | InferResult]:
+            start = loop.time()
+            try:
+                outcome: BaseException | InferResult = await coalescer.infer(
+                    model.request(INPUT0=[x]), timeout_s=timeout, max_batch_size=64, send=gate
+                )
+            except RequestTimeout as err:
+                outcome = err
+            return start, loop.time(), outcome
+
+        a = asyncio.create_task(call(1.0))
+        b = asyncio.create_task(call(2.0))
+        await asyncio.sleep(0.5)  # c's deadline is half a second after b's
+        c = asyncio.create_task(call(3.0))
+        await asyncio.sleep(0)  # c queued next to b
+        gate.open(0)  # a is answered; b and c leave together, and the gate holds them
+        async with asyncio.timeout(30):  # only a hang-guard for code that lets the gate hold them forever
+            (_, _, ra), (b_start, b_end, rb), (c_start, c_end, rc) = await asyncio.gather(a, b, c)
+        await coalescer.aclose()
+    assert isinstance(ra, InferResult)
+    assert gate.sent == [1, 2]
+    assert isinstance(rb, RequestTimeout)
+    assert isinstance(rc, RequestTimeout)
+    assert b_end - b_start >= timeout - 0.05  # b got its whole timeout...
+    assert c_end - c_start < timeout  # ...and c was cut to b's (it was called 0.5 s later)
+    assert c_end - b_start < timeout + 0.5
+
+
+async def test_each_caller_of_a_failed_merged_request_gets_its_own_exception(triton_server: LocalTriton) -> None:
+    """Three merged callers get three InvalidArgumentError objects, copies of the server's, chained to it."""
+    async with Client(triton_server.grpc_url) as plain:
+        model = await plain.model(MODEL)
+
+        async def send(merged: InferRequest) -> InferResult:
+            # dtypes_echo has no INPUT0: the server refuses the merged request.
+            return await model.infer_request(attrs.evolve(merged, model="dtypes_echo"))
+
+        coalescer = Coalescer(Coalescing(max_in_flight=1))
+        calls = [
+            coalescer.infer(model.request(INPUT0=[float(i)]), timeout_s=None, max_batch_size=64, send=send)
+            for i in range(4)
+        ]  # 0 leaves alone, 1-3 queue behind it and leave together
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        await coalescer.aclose()
+    assert all(isinstance(e, InvalidArgumentError) for e in outcomes), outcomes
+    errors = [e for e in outcomes if isinstance(e, InvalidArgumentError)]
+    assert len({id(e) for e in errors}) == 4  # one object per caller
+    merged = errors[1:]
+    original = merged[0].__cause__
+    assert isinstance(original, InvalidArgumentError)
+    assert all(original is not e for e in errors)
+    for err in merged:
+        assert err.__cause__ is original
+        assert type(err) is type(original)
+        assert (err.args, err.message, err.model, err.status) == (
+            original.args,
+            original.message,
+            original.model,
+            original.status,
+        )
+    assert original.model == "dtypes_echo"
+    assert errors[0].__cause__ is not original  # the first one failed in a request of its own
+    merged[0].add_note("seen by one caller")
+    merged[0].model = "changed by one caller"
+    assert not hasattr(merged[1], "__notes__")
+    assert merged[1].model == original.model == "dtypes_echo"
+    assert merged[0].__traceback__ is not merged[1].__traceback__
+
+
+async def test_cancelling_aclose_cancels_its_caller_and_the_coalescer_still_closes(triton_server: LocalTriton) -> None:
+    """aclose waits for its merged requests to unwind; cancelled meanwhile, it ends cancelled, the coalescer closed."""
+    async with Client(triton_server.grpc_url) as plain:
+        model = await plain.model(MODEL)
+        holding, unwinding, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def send(merged: InferRequest) -> InferResult:
+            result = await model.infer_request(merged)
+            try:
+                holding.set()
+                await asyncio.Event().wait()  # the answer is held back: the request is still out at aclose
+            finally:
+                unwinding.set()
+                await release.wait()  # cancelled, it takes until the test says to unwind
+            return result
+
+        coalescer = Coalescer(Coalescing())
+        caller = asyncio.create_task(
+            coalescer.infer(model.request(INPUT0=[1.0]), timeout_s=None, max_batch_size=64, send=send)
+        )
+        await holding.wait()
+        closer = asyncio.create_task(coalescer.aclose())
+        await unwinding.wait()  # aclose cancelled the merged request and waits for it
+        closer.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await closer
+        assert closer.cancelled()
+        with pytest.raises(ClientClosedError):
+            await caller
+        with pytest.raises(ClientClosedError):
+            await coalescer.infer(model.request(INPUT0=[2.0]), timeout_s=None, max_batch_size=64, send=send)

@@ -1,4 +1,13 @@
-"""What a model accepts and returns: immutable specs built once from the server's model config."""
+"""What a model accepts and returns: immutable specs built once from the server's model config.
+
+The config arrives as JSON in two spellings: Triton's HTTP endpoint writes every field out, defaults
+included, while the gRPC one (protobuf JSON) leaves out each field at its protobuf default: ``0``,
+``false``, ``""``, empty lists and enum value 0 (``CONTROL_SEQUENCE_START``, ``TYPE_INVALID``). Every
+scalar and enum field read here goes through :func:`_field`, which gives a missing one its default from the
+``ModelConfig`` protobuf itself; a missing list reads as empty. So both spellings build the same spec.
+Message fields (``sequence_batching``, ``direct``, ``oldest``) have presence: both spellings carry a set
+one, even empty, and neither carries an unset one.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
+from tritonclient.grpc import model_config_pb2 as _pb
 
 from .._wire import config_to_triton
 
@@ -17,8 +27,23 @@ DEFAULT_IDLE_TIMEOUT_US = 1_000_000
 ControlKind = Literal["START", "END", "READY", "CORRID"]
 
 
+def _field(entry: Mapping[str, Any], message: Any, name: str) -> Any:
+    """``entry[name]``, or the protobuf default of field ``name`` of ``message`` (a ``model_config_pb2`` class).
+
+    Enums come back by name, as the HTTP JSON spells them, also when given as numbers.
+    """
+    field = message.DESCRIPTOR.fields_by_name[name]
+    value = entry.get(name)
+    if value is None:
+        value = field.default_value
+    if field.enum_type is not None and isinstance(value, int):
+        known = field.enum_type.values_by_number.get(value)
+        return known.name if known is not None else str(value)
+    return value
+
+
 def _dims(value: Any) -> tuple[int, ...]:
-    # The JSON form of int64 fields is a string ("-1"), the protobuf form an int: accept both.
+    # The JSON form of int64 fields is a string ("-1"), the HTTP form a number: accept both.
     return tuple(int(d) for d in value or ())
 
 
@@ -37,12 +62,13 @@ class TensorSpec:
 
     @classmethod
     def from_config(cls, entry: Mapping[str, Any]) -> TensorSpec:
-        """From one ``input``/``output`` entry of the model config (JSON form)."""
+        """From one ``input``/``output`` entry of the model config (JSON form); outputs are never optional."""
+        # ModelInput and ModelOutput share name, data_type and dims; only inputs have ``optional``.
         return cls(
-            name=str(entry["name"]),
-            dtype=config_to_triton(str(entry.get("data_type", "TYPE_INVALID"))),
+            name=str(_field(entry, _pb.ModelInput, "name")),
+            dtype=config_to_triton(str(_field(entry, _pb.ModelInput, "data_type"))),
             dims=_dims(entry.get("dims")),
-            optional=bool(entry.get("optional", False)),
+            optional=bool(_field(entry, _pb.ModelInput, "optional")),
         )
 
 
@@ -94,32 +120,37 @@ class SequenceSpec:
     def from_config(cls, sb: Mapping[str, Any], *, parameters: Mapping[str, Any] | None = None) -> SequenceSpec:
         """From the ``sequence_batching`` section of the model config (JSON form) and the config's ``parameters``."""
         controls = []
-        for entry in sb.get("control_input", ()):
-            for ctl in entry.get("control", ()):
-                kind = _CONTROL_KINDS.get(str(ctl.get("kind")))
-                if kind is None:
+        for entry in sb.get("control_input") or ():
+            name = str(_field(entry, _pb.ModelSequenceBatching.ControlInput, "name"))
+            for ctl in entry.get("control") or ():
+                # CONTROL_SEQUENCE_START is enum value 0: the gRPC JSON leaves its kind out.
+                kind = _CONTROL_KINDS.get(str(_field(ctl, _pb.ModelSequenceBatching.Control, "kind")))
+                if kind is None:  # a kind newer than this SDK: not one the session fills in
                     continue
-                # The HTTP JSON spells out defaults ("TYPE_INVALID", empty lists); gRPC JSON omits them.
-                if ctl.get("data_type") not in (None, "", "TYPE_INVALID"):
-                    dtype = config_to_triton(str(ctl["data_type"]))
+                data_type = str(_field(ctl, _pb.ModelSequenceBatching.Control, "data_type"))
+                if data_type != "TYPE_INVALID":
+                    dtype = config_to_triton(data_type)
                 elif ctl.get("fp32_false_true"):
                     dtype = "FP32"
                 elif ctl.get("bool_false_true"):
                     dtype = "BOOL"
                 else:
                     dtype = "INT32"
-                controls.append(ControlInput(name=str(entry["name"]), kind=kind, dtype=dtype))
+                controls.append(ControlInput(name=name, kind=kind, dtype=dtype))
         corrid = next((c for c in controls if c.kind == "CORRID"), None)
         # A TYPE_STRING CORRID control does not work with the Python backend in 2.51 (the batcher pads string
         # ids), so string-id models declare no CORRID and say so with this config parameter instead.
         param = (parameters or {}).get("correlation_id_type") or {}
-        string_param = str(param.get("string_value", "")).lower() == "string"
+        string_param = str(_field(param, _pb.ModelParameter, "string_value")).lower() == "string"
+        # 0 (the protobuf default, what gRPC leaves out) is Triton's "use the default idle timeout".
+        idle_us = int(_field(sb, _pb.ModelSequenceBatching, "max_sequence_idle_microseconds"))
         return cls(
-            # Triton's strategy is a oneof whose default is direct.
-            strategy="oldest" if "oldest" in sb else "direct",
+            # The strategy is a oneof (direct, oldest); with neither set Triton's sequence batcher runs direct.
+            # A set one is present in both spellings, even when empty ({}): message fields have presence.
+            strategy="oldest" if sb.get("oldest") is not None else "direct",
             controls=tuple(controls),
             string_ids=(corrid is not None and corrid.dtype == "BYTES") or string_param,
-            idle_timeout_us=int(sb.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_TIMEOUT_US),
+            idle_timeout_us=idle_us or DEFAULT_IDLE_TIMEOUT_US,
         )
 
 
@@ -180,15 +211,17 @@ class ModelSpec:
             config = json_format.MessageToDict(config, preserving_proto_field_name=True)
         if "config" in config and isinstance(config["config"], Mapping):
             config = config["config"]
+        # Message fields have presence in both spellings: a stateless model has no sequence_batching key.
         sb = config.get("sequence_batching")
         policy = config.get("model_transaction_policy") or {}
+        backend = _field(config, _pb.ModelConfig, "backend") or _field(config, _pb.ModelConfig, "platform")
         return cls(
-            name=str(config["name"]),
+            name=str(_field(config, _pb.ModelConfig, "name")),
             version=version,
-            backend=str(config.get("backend") or config.get("platform") or ""),
-            inputs=tuple(TensorSpec.from_config(e) for e in config.get("input", ())),
-            outputs=tuple(TensorSpec.from_config(e) for e in config.get("output", ())),
-            max_batch_size=int(config.get("max_batch_size") or 0),
+            backend=str(backend),
+            inputs=tuple(TensorSpec.from_config(e) for e in config.get("input") or ()),
+            outputs=tuple(TensorSpec.from_config(e) for e in config.get("output") or ()),
+            max_batch_size=int(_field(config, _pb.ModelConfig, "max_batch_size")),
             sequence=SequenceSpec.from_config(sb, parameters=config.get("parameters")) if sb is not None else None,
-            decoupled=bool(policy.get("decoupled", False)),
+            decoupled=bool(_field(policy, _pb.ModelTransactionPolicy, "decoupled")),
         )
