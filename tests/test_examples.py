@@ -1,21 +1,63 @@
-"""The README's main job and the examples run against a real server and print what they claim."""
+"""The README's main job, its tour and the examples run against a real server and print what they claim."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from triton_npu_client._local._server import temp_folder_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quickstart_main_job() -> None:
+def _run(script: Path, cwd: Path) -> tuple[int, str, str]:
+    """Run ``script`` with this interpreter; check it left no LocalTriton temp folder; return (code, out, err)."""
+    with subprocess.Popen(
+        [sys.executable, str(script)], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            # A safety net only: each script starts one server and sends a handful of requests.
+            out, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    prefix = temp_folder_prefix(proc.pid)
+    left = [p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(prefix)]
+    assert left == [], f"{script.name} left temp folders behind: {left}"
+    return proc.returncode, out, err
+
+
+def test_quickstart_main_job(tmp_path: Path) -> None:
     """examples/quickstart.py (the README's main job) starts its own server, gets right answers, stops it."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "scale_fp32([0.0, 1.0, 2.0, 3.0]) = [0.0, 2.0, 4.0, 6.0]" in proc.stdout
-    assert "refused before sending: input 'INPUT0': expected FP32, given float64" in proc.stdout
-    assert "mean after 3 steps = [3.0, 4.0, 5.0, 6.0]" in proc.stdout
-    assert proc.stdout.rstrip().endswith("server stopped")
+    code, out, err = _run(ROOT / "examples" / "quickstart.py", tmp_path)
+    assert code == 0, err[-3000:]
+    assert "scale_fp32([0.0, 1.0, 2.0, 3.0]) = [0.0, 2.0, 4.0, 6.0]" in out
+    assert "refused before sending: input 'INPUT0': expected FP32, given float64" in out
+    assert "mean after 3 steps = [3.0, 4.0, 5.0, 6.0]" in out
+    assert out.rstrip().endswith("server stopped")
+
+
+def _tour_snippet() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## A short tour\n", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None, "no python block in the README's tour"
+    return match.group(1)
+
+
+def test_readme_tour_runs_as_written(tmp_path: Path) -> None:
+    """The python block of the README's "A short tour", saved as a file, runs and prints what its comments say."""
+    script = tmp_path / "tour.py"
+    script.write_text(_tour_snippet())
+    code, out, err = _run(script, tmp_path)
+    assert code == 0, err[-3000:]
+    lines = out.splitlines()
+    assert lines[0] == "<ModelSpec scale_fp32(INPUT0: FP32[-1]) -> (OUTPUT0: FP32[-1]), max_batch_size=64>"
+    assert lines[1] == "[[0. 2. 4. 6.]]"  # 2 * arange(4), batch dimension added
+    assert lines[2].startswith("input 'INPUT0': expected FP32, given float64: ")
+    assert lines[3] == "[[2. 3. 4. 5.]]"  # mean of [1, 2, 3, 4] and [3, 4, 5, 6]
+    assert len(lines) == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,6 +53,73 @@ class TritonPythonModel:
     def initialize(self, args):
         raise RuntimeError("this model refuses to load")
 """
+# Models that keep the server from exiting on SIGTERM: only SIGKILL ends them within a test's time.
+SLOW_LOAD_MODEL = """
+import time
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(600)
+    def execute(self, requests):
+        return []
+"""
+SLOW_UNLOAD_MODEL = """
+import time
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return out
+    def finalize(self):
+        time.sleep(600)
+"""
+# The longest pause the event loop may take while the launcher stops a server; stopping itself takes
+# several times longer in these tests, so code that blocks the loop on it cannot stay below.
+MAX_LOOP_GAP_S = 0.5
+
+
+class _Ticker:
+    """Ticks on the running loop every 10 ms and records the largest gap between two ticks."""
+
+    def __init__(self) -> None:
+        self.max_gap = 0.0
+        self.ticks = 0
+        self._ticked = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            self.max_gap = max(self.max_gap, now - last)
+            self.ticks += 1
+            self._ticked.set()
+            last = now
+
+    async def __aenter__(self) -> _Ticker:
+        self._task = asyncio.create_task(self._run())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        # One more tick, so that a pause still in progress (the loop was blocked until now) is counted.
+        self._ticked.clear()
+        await self._ticked.wait()
+        self._task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self._task
+
+
+async def _until(condition: Any, timeout_s: float, what: str) -> None:
+    """Poll ``condition`` in a worker thread until it is true; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(condition):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
 
 
 def test_session_server_urls_and_ready(triton_server: tnc.LocalTriton) -> None:
@@ -64,10 +133,34 @@ def test_session_server_urls_and_ready(triton_server: tnc.LocalTriton) -> None:
     assert triton_server.pid in triton_server.processes()
 
 
-def test_sync_start_stop_leaves_no_process(tmp_path: Path) -> None:
-    """A sync context manager starts a server with a stub, and stopping it leaves no process."""
+def test_sync_start_stop_leaves_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync context manager starts a server with a stub, and stopping it leaves no process.
+
+    The server is spawned without ``preexec_fn`` (Python between fork and exec is unsafe once threads
+    exist), in its own session, and through ``setpriv --pdeathsig KILL`` where util-linux has it.
+    """
+    spawned: list[tuple[list[str], dict[str, Any]]] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        spawned.append((list(args), kwargs))
+        return real_popen(args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
     _write_model(tmp_path, "echo", GOOD_MODEL)
     with tnc.LocalTriton(tmp_path) as server:
+        monkeypatch.undo()
+        [(args, kwargs)] = spawned
+        assert kwargs.get("preexec_fn") is None
+        assert kwargs["start_new_session"] is True
+        pid = server.pid
+        assert pid is not None
+        assert os.getsid(pid) == os.getpgid(pid) == pid
+        setpriv = shutil.which("setpriv")
+        if setpriv is not None:
+            assert args[:5] == [setpriv, "--pdeathsig", "KILL", "--", str(server.binary)]
+        else:
+            assert args[0] == str(server.binary)
         pids = server.processes()
         assert len(pids) >= 2, pids  # tritonserver + the echo stub
         log = server.log_path
@@ -90,6 +183,108 @@ async def test_async_start_cancelled_leaves_no_process(tmp_path: Path) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert server.processes() == []
+
+
+async def test_async_start_cancelled_never_blocks_the_loop(tmp_path: Path) -> None:
+    """Cancelling astart() while a model loads: the loop keeps ticking through SIGTERM, grace, SIGKILL.
+
+    The server does not act on SIGTERM while the model loads, so stopping takes the whole grace period;
+    none of that time may be spent blocking the loop, and nothing (process, temp folder) is left.
+    """
+    _write_model(tmp_path, "slow_load", SLOW_LOAD_MODEL)
+    server = tnc.LocalTriton(tmp_path, stop_grace_s=2.0)
+    async with _Ticker() as ticker:
+        # tritonserver installs its SIGTERM handler only once its models are loaded; before that the
+        # default action would end it at once. Started with SIGTERM ignored (an inherited disposition),
+        # it behaves like a server busy loading that finishes its work before it stops.
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            task = asyncio.create_task(server.astart())
+            await _until(lambda: len(server.processes()) >= 2, 120, "the slow_load stub to start")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        cancelled_at = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stopping_s = time.monotonic() - cancelled_at
+    assert stopping_s >= server.stop_grace_s  # it did wait the grace period before SIGKILL
+    assert ticker.max_gap < MAX_LOOP_GAP_S, (ticker.max_gap, stopping_s)
+    assert server.processes() == []
+    assert server.log_path is not None
+    assert not server.log_path.parent.exists()
+
+
+async def test_async_stop_cancelled_kills_at_once_never_blocking_the_loop(tmp_path: Path) -> None:
+    """astop() cut short by wait_for: SIGKILL at the cancellation, no process or folder left, loop never blocked."""
+    _write_model(tmp_path, "slow_unload", SLOW_UNLOAD_MODEL)
+    server = await tnc.LocalTriton(tmp_path, stop_grace_s=60.0).astart()
+    assert server.log_path is not None
+    workdir = server.log_path.parent
+    async with _Ticker() as ticker:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            # The model sleeps in finalize: SIGTERM alone would take the whole 60 s grace.
+            await asyncio.wait_for(server.astop(), timeout=1.0)
+        stopping_s = time.monotonic() - started
+        ticks_while_stopping = ticker.ticks
+    assert stopping_s < server.stop_grace_s / 2
+    assert ticks_while_stopping > 0
+    assert ticker.max_gap < MAX_LOOP_GAP_S, (ticker.max_gap, stopping_s)
+    assert server.processes() == []
+    assert not workdir.exists()
+    assert not server.is_running
+
+
+def test_server_dies_with_its_parent(tmp_path: Path) -> None:
+    """A python process holding a LocalTriton is SIGKILLed (no cleanup runs): its server and stub die anyway."""
+    if shutil.which("setpriv") is None:
+        pytest.fail("util-linux's setpriv is not on PATH: the server cannot be tied to its parent's life")
+    _write_model(tmp_path, "echo", GOOD_MODEL)
+    holder = (
+        "import sys, triton_npu_client as tnc\n"
+        "server = tnc.LocalTriton(sys.argv[1]).start()\n"
+        "print(server.pid, server.log_path.parent, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", holder, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as parent:
+        server_pid, workdir = 0, Path()
+        try:
+            assert parent.stdout is not None
+            pid_text, folder = parent.stdout.readline().split()
+            server_pid, workdir = int(pid_text), Path(folder)
+            marker = str(workdir).encode()
+            assert server_pid in _live_with(marker)
+            parent.kill()
+            parent.wait()
+            deadline = time.monotonic() + 60
+            while _live_with(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _live_with(marker) == []
+        finally:
+            # The holder never ran its cleanup: its temp folder (and, on failure, its group) is ours to remove.
+            if server_pid and _live_with(str(workdir).encode()):
+                os.killpg(server_pid, signal.SIGKILL)
+            if workdir.name.startswith(_local.TEMP_PREFIX):
+                shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _live_with(marker: bytes) -> list[int]:
+    """PIDs of living (not zombie) processes whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 async def test_async_context_manager(tmp_path: Path) -> None:
@@ -116,9 +311,9 @@ def test_model_load_failure_names_model(tmp_path: Path) -> None:
     assert "broken" in str(info.value)
     assert any("refuses to load" in line for line in info.value.log_lines)
     assert server.processes() == []
-    # The server exited on its own: its log stays for a post-mortem.
+    # The error carries the server's lines; the failed start leaves no temp folder behind.
     assert server.log_path is not None
-    assert "refuses to load" in server.log_path.read_text()
+    assert not server.log_path.parent.exists()
 
 
 def test_port_in_use(tmp_path: Path) -> None:
@@ -209,6 +404,7 @@ def test_cli_serve_ctrl_c(tmp_path: Path) -> None:
     marker = str(Path(workdir).parent).encode()
     leftovers = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and marker in _cmdline(p)]
     assert leftovers == []
+    assert not Path(workdir).parent.exists()  # a clean stop removes the temp folder
 
 
 def _serve_until_ready_then_sigint(proc: subprocess.Popen[str]) -> tuple[int, list[str], float, str]:

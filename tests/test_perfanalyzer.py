@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -76,10 +77,12 @@ def test_request_errors_raise(pa: PerfAnalyzer, triton_server: LocalTriton) -> N
     assert "batch-size must be <= 64" in info.value.output
 
 
-def test_runner_refuses_report_path(pa: PerfAnalyzer) -> None:
-    """The runner owns the CSV report path: passing -f is a usage error."""
+def test_runner_refuses_report_path(pa: PerfAnalyzer, tmp_path: Path) -> None:
+    """The runner owns the CSV report path: passing -f is a usage error, refused before anything runs."""
+    report = tmp_path / "r.csv"
     with pytest.raises(ValueError, match="-f"):
-        run_perf_analyzer(pa, ["-m", "x", "-f", "/tmp/r.csv"])
+        run_perf_analyzer(pa, ["-m", "x", "-f", str(report)])
+    assert not report.exists()
 
 
 def test_parse_report_reads_last_row_and_server_counts() -> None:

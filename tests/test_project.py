@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import triton_npu_client
@@ -38,9 +40,6 @@ def test_py_typed_shipped() -> None:
 
 def test_server_toolkit_import_does_not_load_the_client() -> None:
     """`import triton_npu_client.server` (what model.py does inside the stub) loads no tritonclient or grpc."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, triton_npu_client.server\n"
         "print(sorted(m for m in ('tritonclient', 'grpc', 'aiohttp', 'attrs') if m in sys.modules))"
@@ -55,3 +54,32 @@ def test_lazy_names_resolve_to_their_modules() -> None:
         value = getattr(triton_npu_client, name)
         assert value is getattr(__import__(f"triton_npu_client{module}", fromlist=[name]), name)
     assert set(triton_npu_client._LAZY) <= set(triton_npu_client.__all__)
+
+
+def test_no_file_points_outside_the_project() -> None:
+    """No tracked file cites a document that lives outside the repository (the project stands alone)."""
+    # Spelled in pieces so that this file does not match itself.
+    outside = ("TRITON" + "_FACTS", ".." + "/shared")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split("\0")
+    offenders = []
+    for name in filter(None, listed):
+        path = ROOT / name
+        if not path.is_file():  # deleted in the working tree, not yet in the index
+            continue
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        offenders += [f"{name}: {word}" for word in outside if word in text]
+    assert offenders == []
+    assert (ROOT / "docs" / "triton-facts.md").is_file()
+
+
+def test_version_flag() -> None:
+    """`triton-npu --version` (module and console script) prints the package version and exits 0."""
+    expected = f"triton-npu {triton_npu_client.__version__}"
+    script = Path(sys.executable).parent / "triton-npu"
+    assert script.is_file(), "the triton-npu console script is not installed beside this interpreter"
+    for cmd in ([sys.executable, "-m", "triton_npu_client", "--version"], [str(script), "--version"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == expected

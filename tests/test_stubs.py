@@ -72,8 +72,9 @@ def _import(path: Path, name: str) -> ModuleType:
 
 
 def _mypy(cwd: Path, *files: str) -> subprocess.CompletedProcess[str]:
-    # A cache shared by the tests: numpy's stubs cost seconds to analyse cold.
-    cmd = [str(BIN / "mypy"), "--strict", "--no-error-summary", "--cache-dir", "/tmp/triton-npu-stubs-mypy", *files]
+    # A cache shared by the tests (numpy's stubs cost seconds to analyse cold), kept in this checkout.
+    cache = ROOT / ".mypy_cache" / "generated-stubs"
+    cmd = [str(BIN / "mypy"), "--strict", "--no-error-summary", "--cache-dir", str(cache), *files]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
 
 

@@ -7,8 +7,14 @@ backend folder holding the Python-backend stub for the running Python, its share
 ``LD_LIBRARY_PATH``, and this interpreter's ``bin/`` first on ``PATH`` (the stub takes ``sys.prefix``
 from the first ``python3`` there, so model.py imports from the current environment).
 
-The server runs in its own process group: Ctrl-C in a terminal reaches only us, and stopping kills
-the whole group, so no ``triton_python_backend_stub`` outlives its server.
+The server runs in its own session and process group: Ctrl-C in a terminal reaches only us, and
+stopping kills the whole group, so no ``triton_python_backend_stub`` outlives its server. When the
+server is started from the main thread and util-linux's ``setpriv`` is on ``PATH``, it is started
+through ``setpriv --pdeathsig KILL``: the kernel kills it if this process dies without stopping it
+(SIGKILL, crash). No ``preexec_fn``: running Python between fork and exec is unsafe once threads exist.
+
+The async methods never block the event loop: waiting, reaping and removing files run in worker
+threads, and the kill they end with happens even when the awaiting task is cancelled.
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ import asyncio
 import atexit
 import collections
 import contextlib
-import ctypes
 import importlib.metadata
+import importlib.resources
 import json
 import logging
 import os
@@ -62,14 +68,34 @@ _INSTALL_HINT = (
 # only channel through which a server that exits on a load failure says which model failed.
 _FAILED_LOAD = re.compile(r"failed to load '([^']+)'")
 _TAIL_LINES = 200
+# Every temp folder LocalTriton creates starts with this, then the creating process's pid.
+TEMP_PREFIX = "triton-npu-"
+# After SIGKILL the kernel still has to tear the processes down; reaping waits at most this long.
+_REAP_TIMEOUT_S = 10.0
 
 # Every server started by this process, so that interpreter exit never leaves one behind.
 _LIVE: weakref.WeakSet[LocalTriton] = weakref.WeakSet()
 
 
 def default_model_repository() -> Path:
-    """The project's ``server_models/`` (next to the package in a source checkout)."""
+    """The project's ``server_models/``: the copy a wheel ships, else the one at a source checkout's root.
+
+    A wheel carries the repository's ``server_models/`` as ``triton_npu_client/server_models``; an
+    editable install runs from the checkout, where the folder sits beside the package.
+    """
+    shipped = importlib.resources.files("triton_npu_client").joinpath("server_models")
+    # Only a real folder can be handed to tritonserver (a zipped install has none).
+    if isinstance(shipped, Path) and shipped.is_dir():
+        return shipped
     return Path(__file__).resolve().parents[2] / "server_models"
+
+
+def temp_folder_prefix(pid: int | None = None) -> str:
+    """The name prefix of the temp folders LocalTriton makes in process ``pid`` (default: this one).
+
+    The pid tells whose folder a leftover is, on a machine where several processes start servers.
+    """
+    return f"{TEMP_PREFIX}{os.getpid() if pid is None else pid}-"
 
 
 def _bundled_root() -> tuple[Path, Path] | None:
@@ -129,13 +155,14 @@ def _check_port_free(host: str, port: int, what: str) -> None:
             ) from err
 
 
-def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-    # If the parent dies without stopping us (SIGKILL, crash), the kernel sends SIGTERM.
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def _parent_death_prefix() -> list[str]:
+    """``setpriv --pdeathsig KILL --`` when util-linux's setpriv is on PATH, else nothing."""
+    # The parent-death signal fires when the *thread* that forked the child ends, not the process:
+    # only the main thread lives as long as we do. Elsewhere the atexit/weakref cleanup must do.
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv is not None else []
 
 
 class LocalTriton:
@@ -147,8 +174,11 @@ class LocalTriton:
             client_url = server.grpc_url      # "grpc://127.0.0.1:PORT"
 
     Ports not given are chosen free. ``start``/``astart`` return once the server and every model are
-    ready, or raise (:class:`ModelLoadError` names the model and carries the server's error lines).
-    ``stop``/``astop`` send SIGTERM, then SIGKILL to the whole process group after ``stop_grace_s``.
+    ready, or raise (:class:`ModelLoadError` names the model and carries the server's error lines);
+    a failed or cancelled start stops what it started and removes its temp folder.
+    ``stop``/``astop`` send SIGTERM, then SIGKILL to the whole process group after ``stop_grace_s``;
+    the temp folder goes too, except the log of a server that had exited on its own after a
+    successful start (``log_path`` stays readable for the post-mortem).
     """
 
     def __init__(
@@ -182,6 +212,8 @@ class LocalTriton:
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
         self._log_file: Path | None = None
+        # True from the moment a temp folder exists until stopping has removed it and reaped the server.
+        self._active = False
         self.binary: Path | None = None
 
     def __repr__(self) -> str:
@@ -265,8 +297,11 @@ class LocalTriton:
         self.binary = binary
         if not self.model_repository.is_dir():
             raise LocalServerError(f"Model repository {self.model_repository} is not a directory.")
-        self._workdir = Path(tempfile.mkdtemp(prefix="triton-npu-"))
+        self._workdir = Path(tempfile.mkdtemp(prefix=temp_folder_prefix()))
         self._log_file = self._workdir / "tritonserver.log"
+        self._active = True
+        # From here on interpreter exit must clean up, even if we never get as far as spawning.
+        _LIVE.add(self)
         env = dict(os.environ)
         server_root = binary.parent.parent
         stubs = server_root / "python_backend_stubs"
@@ -323,24 +358,22 @@ class LocalTriton:
 
     # -- starting -------------------------------------------------------------------------
 
-    def _spawn(self) -> None:
-        args, env = self._prepare()
+    def _spawn(self, args: list[str], env: dict[str, str]) -> None:
+        """Start the prepared command; quick (no Python runs between fork and exec)."""
         assert self._log_file is not None
-        _log.debug("starting %s", " ".join(args))
-        in_main = threading.current_thread() is threading.main_thread()
+        command = [*_parent_death_prefix(), *args]
+        _log.debug("starting %s", " ".join(command))
         with self._log_file.open("wb") as log:
             self._proc = subprocess.Popen(
-                args,
+                command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=self._workdir,
+                # Its own session and group: Ctrl-C reaches only us, and stopping can kill the group.
                 start_new_session=True,
-                # PDEATHSIG follows the *thread* that forked: only safe from the main thread.
-                preexec_fn=_set_pdeathsig if in_main else None,
             )
-        _LIVE.add(self)
 
     def _probe(self) -> bool:
         """True once the server says it is ready and every model in the index is READY."""
@@ -390,49 +423,74 @@ class LocalTriton:
         )
 
     def _timeout_failure(self) -> ServerStartTimeout:
+        # The temp folder goes with the failed start: the error carries the lines, not a log path.
+        tail = self.log_tail(10)
+        said = " | ".join(tail[-5:])
         return ServerStartTimeout(
-            f"tritonserver was not ready after {self.startup_timeout_s:.0f} s (log: {self._log_file})",
-            log_lines=self._error_lines(),
+            f"tritonserver was not ready after {self.startup_timeout_s:.0f} s. Server said last: {said}",
+            log_lines=self._error_lines() or tail,
         )
 
     def start(self) -> Self:
         """Start the server and block until it and every model are ready."""
         if self.is_running:
             return self
+        self._stop(keep_log_if_exited=True)  # what is left of an earlier run that died
         try:
-            self._spawn()
+            self._spawn(*self._prepare())
             deadline = time.monotonic() + self.startup_timeout_s
             while not self._probe():
                 if time.monotonic() > deadline:
                     raise self._timeout_failure()
                 time.sleep(0.1)
         except BaseException:
-            self.stop()
+            self._stop(keep_log_if_exited=False)
             raise
         _log.debug("tritonserver ready: %s %s", self.http_url, self.grpc_url)
         return self
 
     async def astart(self) -> Self:
-        """Start the server and wait (without blocking the loop) until it and every model are ready."""
+        """Start the server and wait, without blocking the loop, until it and every model are ready.
+
+        Cancelled or failed, it stops what it started (SIGTERM, then SIGKILL after ``stop_grace_s``;
+        at once if cancelled again) before re-raising.
+        """
         if self.is_running:
             return self
+        await self._astop(keep_log_if_exited=True)  # what is left of an earlier run that died
+        # Copying the backends and probing ports touch the disk: a worker thread does it. The thread
+        # cannot be cancelled, so a cancellation waits for it, then removes what it made.
+        prepared = asyncio.ensure_future(asyncio.to_thread(self._prepare))
         try:
-            # Spawn on the loop's thread so that PDEATHSIG is tied to a thread that lives.
-            self._spawn()
+            args, env = await asyncio.shield(prepared)
+            # Spawned on the loop's thread: when that is the main thread, the parent-death signal
+            # is tied to a thread that lives as long as the process.
+            self._spawn(args, env)
             deadline = time.monotonic() + self.startup_timeout_s
             while not await asyncio.to_thread(self._probe):
                 if time.monotonic() > deadline:
                     raise self._timeout_failure()
                 await asyncio.sleep(0.1)
         except BaseException:
-            self.stop()
+            try:
+                await asyncio.wait([prepared])
+            finally:
+                await self._astop(keep_log_if_exited=False)
             raise
+        _log.debug("tritonserver ready: %s %s", self.http_url, self.grpc_url)
         return self
 
     # -- stopping -------------------------------------------------------------------------
 
-    def _signal_group(self, sig: signal.Signals) -> None:
+    def _signal_group(self, sig: signal.Signals, *, scan: bool = True) -> None:
+        """Signal the server's process group while it is certainly ours.
+
+        Once the leader is reaped, its pid (the group id) may go to a stranger's group as soon as no
+        member of ours is left: then only a scan of /proc (``scan``) can tell that members remain.
+        """
         if self._proc is None:
+            return
+        if self._proc.returncode is not None and not (scan and self.processes()):
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, sig)
@@ -440,59 +498,75 @@ class LocalTriton:
     def _group_alive(self) -> bool:
         if self._proc is None:
             return False
-        try:
-            os.killpg(self._proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        # killpg(0) also succeeds for zombies; ask /proc for living members.
-        return bool(self.processes()) or self._proc.poll() is None
+        # Zombies do not count: processes() asks /proc for living members carrying our marker.
+        return self._proc.poll() is None or bool(self.processes())
 
     def _send_term(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGTERM)
 
-    def _finish(self, *, keep_log: bool) -> None:
-        """Kill whatever is left of the group, reap, and remove the working folder.
+    def _grace_deadline(self) -> float:
+        return time.monotonic() + self.stop_grace_s
 
-        ``keep_log``: the server had exited on its own (crash, failed startup), so its log is what a
-        post-mortem needs; only the backend copy goes and ``log_path`` stays readable. Otherwise the whole
-        folder goes, so that a test run starting many servers leaves nothing in the temp directory.
+    def _finish(self, *, keep_log: bool) -> None:
+        """Kill whatever is left of the group, reap it, and remove the temp folder. Blocking.
+
+        ``keep_log``: the server had exited on its own after a successful start (a crash), so its log
+        is what a post-mortem needs; only the backend copy goes and ``log_path`` stays readable.
         """
         self._signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + _REAP_TIMEOUT_S
         if self._proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=5)
-        _LIVE.discard(self)
+                self._proc.wait(timeout=_REAP_TIMEOUT_S)
+        # The stubs got the SIGKILL too; the kernel needs a moment to tear them down.
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.02)
         if self._workdir is not None:
             shutil.rmtree(self._workdir / "backends" if keep_log else self._workdir, ignore_errors=True)
+        self._active = False
+        _LIVE.discard(self)
 
-    def _exited_on_its_own(self) -> bool:
-        return self._proc is not None and self._proc.poll() is not None
+    def _should_keep_log(self, keep_log_if_exited: bool) -> bool:
+        return keep_log_if_exited and self._proc is not None and self._proc.poll() is not None
+
+    def _stop(self, *, keep_log_if_exited: bool) -> None:
+        if not self._active:
+            return
+        keep_log = self._should_keep_log(keep_log_if_exited)
+        try:
+            self._send_term()
+            deadline = self._grace_deadline()
+            while self._group_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            self._finish(keep_log=keep_log)
+
+    async def _astop(self, *, keep_log_if_exited: bool) -> None:
+        if not self._active:
+            return
+        keep_log = self._should_keep_log(keep_log_if_exited)
+        try:
+            self._send_term()
+            deadline = self._grace_deadline()
+            while time.monotonic() < deadline and await asyncio.to_thread(self._group_alive):
+                await asyncio.sleep(0.05)
+        finally:
+            # SIGKILL now, on the loop's thread: it never blocks (no /proc scan), and it happens even
+            # if this task is cancelled again while the rest runs.
+            self._signal_group(signal.SIGKILL, scan=False)
+            # Reaping and removing the folder block; a worker thread does them. Shielded so that a
+            # second cancellation cannot drop the job before a busy executor has started it.
+            await asyncio.shield(asyncio.to_thread(self._finish, keep_log=keep_log))
 
     def stop(self) -> None:
         """SIGTERM, wait up to ``stop_grace_s``, then SIGKILL the whole group. Idempotent."""
-        keep_log = self._exited_on_its_own()
-        if self._proc is not None:
-            self._send_term()
-            deadline = time.monotonic() + self.stop_grace_s
-            while self._group_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-        self._finish(keep_log=keep_log)
+        self._stop(keep_log_if_exited=True)
 
     async def astop(self) -> None:
-        """Async :meth:`stop`; if cancelled while waiting, it kills at once and re-raises."""
-        keep_log = self._exited_on_its_own()
-        try:
-            if self._proc is not None:
-                self._send_term()
-                deadline = time.monotonic() + self.stop_grace_s
-                while self._group_alive() and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-        finally:
-            self._finish(keep_log=keep_log)
+        """Async :meth:`stop`, never blocking the loop; if cancelled while waiting, it kills at once and re-raises."""
+        await self._astop(keep_log_if_exited=True)
 
     # -- context managers -----------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from types import FrameType
 
 from .._errors import TritonError
 from .._local import LocalTriton
+from .._version import __version__
 
 __all__ = ["main"]
 
@@ -112,6 +113,7 @@ COMMANDS["stubs"] = (_stubs_args, _stubs, "generate typed input/output classes f
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triton-npu", description="Triton Inference Server client tools.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _, help_text) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))
