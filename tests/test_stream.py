@@ -1,9 +1,11 @@
-"""The gRPC stream multiplexer against the real server, with raw protobuf requests to ``scale_fp32``."""
+"""The gRPC stream multiplexer against the real server: requests from ``model.request(...).to_grpc()``,
+answers as :class:`InferResult`."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2
 
 from triton_npu_client import (
     Client,
@@ -25,62 +26,93 @@ from triton_npu_client import (
     UsageError,
     default_model_repository,
 )
-from triton_npu_client._transport._stream import StreamMultiplexer
-
-
-def scale_request(x: np.ndarray[Any, Any], *, model: str = "scale_fp32") -> Any:
-    request = service_pb2.ModelInferRequest(model_name=model)
-    tensor = request.inputs.add()
-    tensor.name = "INPUT0"
-    tensor.datatype = "FP32"
-    tensor.shape.extend(x.shape)
-    request.raw_input_contents.append(np.ascontiguousarray(x, dtype=np.float32).tobytes())
-    return request
-
-
-def output0(response: Any) -> np.ndarray[Any, Any]:
-    return np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(tuple(response.outputs[0].shape))
+from triton_npu_client._client._model import Model
+from triton_npu_client._transport import GrpcTransport
+from triton_npu_client._transport._stream import SharedStreamCall, StreamMultiplexer
 
 
 @pytest.fixture
-async def channel(triton_server: LocalTriton) -> AsyncIterator[grpc.aio.Channel]:
-    ch = grpc.aio.insecure_channel(f"127.0.0.1:{triton_server.grpc_port}")
-    try:
-        yield ch
-    finally:
-        await ch.close()
+async def client(triton_server: LocalTriton) -> AsyncIterator[Client]:
+    async with Client(triton_server.grpc_url) as c:
+        yield c
+
+
+@pytest.fixture
+def channel(client: Client) -> grpc.aio.Channel:
+    """The client's one channel: each test puts a multiplexer of its own on it."""
+    transport = client.transport
+    assert isinstance(transport, GrpcTransport)
+    return transport.channel
+
+
+@pytest.fixture
+async def scale(client: Client) -> Model:
+    return await client.model("scale_fp32")
+
+
+@pytest.fixture
+async def repeat(client: Client) -> Model:
+    return await client.model("repeat_int32")
+
+
+def scale_proto(scale: Model, x: np.ndarray[Any, Any]) -> Any:
+    """A fresh ``ModelInferRequest`` for scale_fp32 (sample form: the batch dim of 1 is added)."""
+    return scale.request(INPUT0=x).to_grpc(request_id="-")
+
+
+def repeat_proto(repeat: Model, n: int) -> Any:
+    return repeat.request(N=np.array([n], dtype=np.int32)).to_grpc(request_id="-")
 
 
 @pytest.mark.parametrize("streams", [1, 3])
-async def test_many_concurrent_requests_each_get_their_own_answer(channel: grpc.aio.Channel, streams: int) -> None:
-    """400 concurrent requests over one stream or a pool of three: every caller gets 2 * its own input."""
+async def test_many_concurrent_requests_each_get_their_own_answer_in_order_per_key(
+    channel: grpc.aio.Channel, scale: Model, streams: int
+) -> None:
+    """400 concurrent requests under 10 keys: every caller gets 2 * its own input; one key stays on one stream
+    and its answers come back in the order its requests were sent."""
     rng = np.random.default_rng(streams)
-    inputs = [rng.standard_normal((1, int(rng.integers(1, 9)))).astype(np.float32) for _ in range(400)]
+    inputs = [rng.standard_normal(int(rng.integers(1, 9))).astype(np.float32) for _ in range(400)]
+    answered: dict[int, list[int]] = defaultdict(list)
+    stream_of: dict[int, set[int]] = defaultdict(set)
     async with StreamMultiplexer(channel, streams=streams) as mux:
 
         async def one(i: int) -> np.ndarray[Any, Any]:
-            return output0(await mux.infer(scale_request(inputs[i]), key=i))
+            key = i % 10
+            call = mux.call(scale_proto(scale, inputs[i]), key=key, timeout_s=60)
+            result = await call.single()
+            answered[key].append(i)
+            assert call._stream is not None
+            stream_of[key].add(call._stream.index)
+            return result["OUTPUT0"]
 
+        # Tasks start in index order, so each key's requests are sent in index order.
         outputs = await asyncio.gather(*(one(i) for i in range(len(inputs))))
         assert mux.pending_count == 0
     for x, y in zip(inputs, outputs, strict=True):
-        np.testing.assert_array_equal(y, x * 2)
+        np.testing.assert_array_equal(y, (x * 2)[None, :])
+    for key, order in answered.items():
+        assert order == sorted(order), f"key {key} answered out of order"
+    assert all(len(indices) == 1 for indices in stream_of.values())
+    assert len(set().union(*stream_of.values())) == streams
 
 
-async def test_a_failing_request_does_not_disturb_the_others(channel: grpc.aio.Channel) -> None:
+async def test_a_failing_request_does_not_disturb_the_others(channel: grpc.aio.Channel, scale: Model) -> None:
     """Unknown-model and bad-shape requests fail with their own mapped errors; good ones on the same stream succeed."""
     async with StreamMultiplexer(channel) as mux:
 
         async def good(v: float) -> np.ndarray[Any, Any]:
-            return output0(await mux.infer(scale_request(np.full((1, 3), v, np.float32))))
+            result = await mux.call(scale_proto(scale, np.full(3, v, np.float32)), timeout_s=60).single()
+            return result["OUTPUT0"]
 
         async def unknown() -> None:
-            await mux.infer(scale_request(np.ones((1, 3), np.float32), model="no_such_model"))
+            request = scale_proto(scale, np.ones(3, np.float32))
+            request.model_name = "no_such_model"
+            await mux.call(request, timeout_s=60).single()
 
         async def bad_shape() -> None:
-            request = scale_request(np.ones((1, 3), np.float32))
+            request = scale_proto(scale, np.ones(3, np.float32))
             request.inputs[0].shape[:] = [1, 5]  # claims 5 values, carries 3
-            await mux.infer(request)
+            await mux.call(request, timeout_s=60).single()
 
         coros: list[Any] = []
         for i in range(30):
@@ -93,108 +125,128 @@ async def test_a_failing_request_does_not_disturb_the_others(channel: grpc.aio.C
             assert isinstance(results[3 * i + 2], InvalidArgumentError)
         # The stream survived all of it.
         np.testing.assert_array_equal(await good(7.0), np.full((1, 3), 14.0, np.float32))
+        assert mux.pending_count == 0
 
 
-async def test_close_fails_pending_requests_and_refuses_new_ones(channel: grpc.aio.Channel) -> None:
+async def test_close_fails_pending_requests_and_refuses_new_ones(channel: grpc.aio.Channel, scale: Model) -> None:
     """aclose() fails a request still waiting for its answer with ClientClosedError, and later calls too."""
     mux = StreamMultiplexer(channel)
-    waiting = asyncio.create_task(mux.infer(scale_request(np.ones((1, 4), np.float32))))
-    responses = mux.stream(scale_request(np.ones((1, 4), np.float32)))
-    await asyncio.sleep(0)  # let the task run up to its await on the answer (one loop turn, not a timing guess)
+    single = mux.call(scale_proto(scale, np.ones(4, np.float32)))
+    streamed = mux.call(scale_proto(scale, np.ones(4, np.float32)), many=True)
+
+    async def first_of_streamed() -> Any:
+        return await anext(streamed)
+
+    waiting = asyncio.create_task(single.single())
+    reading = asyncio.create_task(first_of_streamed())
+    # One loop turn: both tasks send and wait; the reader task made by the first has not run yet, so no
+    # answer can have been routed (an ordering fact of the event loop, not a timing guess).
+    await asyncio.sleep(0)
     assert mux.pending_count == 2
     await mux.aclose()
     with pytest.raises(ClientClosedError):
         await waiting
     with pytest.raises(ClientClosedError):
-        await anext(responses)
+        await reading
     with pytest.raises(ClientClosedError):
-        await mux.infer(scale_request(np.ones((1, 4), np.float32)))
+        await mux.call(scale_proto(scale, np.ones(4, np.float32))).single()
     assert mux.pending_count == 0
+    assert mux.is_closed
 
 
-async def test_a_cancelled_caller_drops_its_answer_and_the_stream_goes_on(channel: grpc.aio.Channel) -> None:
-    """Cancelling a waiting caller forgets its request; the next request on the same stream is answered."""
-    async with StreamMultiplexer(channel) as mux:
-        task = asyncio.create_task(mux.infer(scale_request(np.ones((1, 4), np.float32))))
+async def test_a_cancelled_caller_drops_its_answer_and_the_stream_goes_on(
+    channel: grpc.aio.Channel, scale: Model
+) -> None:
+    """Cancelling a waiting caller forgets its request and frees its slot; the next request is answered."""
+    # One slot: the next request can only be sent if the cancelled caller gave its slot back.
+    async with StreamMultiplexer(channel, max_pending=1) as mux:
+        task = asyncio.create_task(mux.call(scale_proto(scale, np.ones(4, np.float32))).single())
         await asyncio.sleep(0)
         assert mux.pending_count == 1
+        stream = mux._slots[0]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert mux.pending_count == 0
-        answer = await mux.infer(scale_request(np.full((1, 2), 3.0, np.float32)))
-        np.testing.assert_array_equal(output0(answer), np.full((1, 2), 6.0, np.float32))
+        answer = await mux.call(scale_proto(scale, np.full(2, 3.0, np.float32)), timeout_s=60).single()
+        np.testing.assert_array_equal(answer["OUTPUT0"], np.full((1, 2), 6.0, np.float32))
+        assert mux._slots[0] is stream  # the same stream carried on
 
 
-async def test_client_side_timeout_raises_request_timeout(channel: grpc.aio.Channel) -> None:
-    """A zero client-side wait raises RequestTimeout (also a TimeoutError) and leaves nothing pending."""
-    async with StreamMultiplexer(channel) as mux:
+async def test_client_side_timeout_raises_request_timeout(channel: grpc.aio.Channel, scale: Model) -> None:
+    """A zero client-side wait raises RequestTimeout (also a TimeoutError), leaves nothing pending and frees
+    its slot."""
+    async with StreamMultiplexer(channel, max_pending=1) as mux:
         with pytest.raises(RequestTimeout) as info:
-            await mux.infer(scale_request(np.ones((1, 4), np.float32)), timeout_s=0)
+            await mux.call(scale_proto(scale, np.ones(4, np.float32)), timeout_s=0).single()
         assert isinstance(info.value, TimeoutError)
+        assert info.value.model == "scale_fp32"
         assert mux.pending_count == 0
+        answer = await mux.call(scale_proto(scale, np.ones(2, np.float32)), timeout_s=60).single()
+        np.testing.assert_array_equal(answer["OUTPUT0"], np.full((1, 2), 2.0, np.float32))
 
 
-async def test_streamed_request_ends_on_the_final_flag(channel: grpc.aio.Channel) -> None:
-    """stream() asks for the final flag and ends after it: a non-decoupled model yields exactly one response."""
-    x = np.arange(6, dtype=np.float32).reshape(1, 6)
+async def test_streamed_request_ends_on_the_final_flag(channel: grpc.aio.Channel, scale: Model) -> None:
+    """many=True asks for the final flag and ends after it: a non-decoupled model yields exactly one result."""
+    x = np.arange(6, dtype=np.float32)
     async with StreamMultiplexer(channel) as mux:
-        request = scale_request(x)
-        async with mux.stream(request) as responses:
-            got = [output0(r) async for r in responses]
+        request = scale_proto(scale, x)
+        responses = mux.call(request, many=True, timeout_s=60)
+        got = [r["OUTPUT0"] async for r in responses]
         # The caller's protobuf is left as it was given (only its id is set).
         assert "triton_enable_empty_final_response" not in request.parameters
         assert mux.pending_count == 0
+        with pytest.raises(StopAsyncIteration):
+            await anext(responses)
     assert len(got) == 1
-    np.testing.assert_array_equal(got[0], x * 2)
+    np.testing.assert_array_equal(got[0], (x * 2)[None, :])
 
 
 async def test_stream_failure_fails_pending_then_a_new_stream_opens(tmp_path: Path) -> None:
     """Killing the server fails a pending request with a TransportError; after a restart a new stream opens."""
     shutil.copytree(default_model_repository() / "scale_fp32", tmp_path / "scale_fp32")
     server = LocalTriton(tmp_path, stop_grace_s=0)
-    async with server:
+    async with server, Client(server.grpc_url) as client:
         # Only the gRPC port is reused: the old HTTP port may sit in TIME_WAIT after the kill.
         grpc_port = server.grpc_port
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
-        mux = StreamMultiplexer(ch)
-        try:
-            first = await mux.infer(scale_request(np.ones((1, 2), np.float32)))
-            np.testing.assert_array_equal(output0(first), np.full((1, 2), 2.0, np.float32))
-            responses = mux.stream(scale_request(np.ones((1, 2), np.float32)))
-            # Blocking stop on purpose: the server is dead before the loop can even send the request,
-            # so it is certainly pending when the stream breaks.
-            server.stop()
-            with pytest.raises(TransportError):
-                async for _ in responses:
-                    pass
-            assert mux.pending_count == 0
-            async with LocalTriton(tmp_path, grpc_port=grpc_port, stop_grace_s=0):
-                again = await mux.infer(scale_request(np.full((1, 2), 5.0, np.float32)))
-                np.testing.assert_array_equal(output0(again), np.full((1, 2), 10.0, np.float32))
-                await mux.aclose()
-        finally:
-            await mux.aclose()
-            await ch.close()
+        scale = await client.model("scale_fp32")
+        transport = client.transport
+        assert isinstance(transport, GrpcTransport)
+        mux = transport.multiplexer()
+        first = await transport.call(
+            scale.request(INPUT0=np.ones(2, np.float32)), timeout_s=60, route="shared"
+        ).single()
+        np.testing.assert_array_equal(first["OUTPUT0"], np.full((1, 2), 2.0, np.float32))
+        broken = mux._slots[0]
+        responses = transport.call(
+            scale.request(INPUT0=np.ones(2, np.float32)), timeout_s=60, route="shared", many=True
+        )
+        # Blocking stop on purpose: the loop cannot run before the server is dead, and the request is queued on
+        # the (still open-looking) stream before the reader can see it break, so it is certainly pending.
+        server.stop()
+        with pytest.raises(TransportError):
+            async for _ in responses:
+                pass
+        assert mux.pending_count == 0
+        async with LocalTriton(tmp_path, grpc_port=grpc_port, stop_grace_s=0):
+            again = await transport.call(
+                scale.request(INPUT0=np.full(2, 5.0, np.float32)), timeout_s=60, route="shared"
+            ).single()
+            np.testing.assert_array_equal(again["OUTPUT0"], np.full((1, 2), 10.0, np.float32))
+            assert transport.multiplexer() is mux
+            assert mux._slots[0] is not broken
+            await client.aclose()
 
 
-def repeat_request(n: int) -> Any:
-    request = service_pb2.ModelInferRequest(model_name="repeat_int32")
-    tensor = request.inputs.add()
-    tensor.name = "N"
-    tensor.datatype = "INT32"
-    tensor.shape.extend([1])
-    request.raw_input_contents.append(np.array([n], dtype=np.int32).tobytes())
-    return request
-
-
-async def test_decoupled_responses_stream_in_order_and_end_on_final_flag(channel: grpc.aio.Channel) -> None:
+async def test_decoupled_responses_stream_in_order_and_end_on_final_flag(
+    channel: grpc.aio.Channel, repeat: Model
+) -> None:
     """A decoupled model's N responses arrive in order per request, interleaved requests apart, then end."""
     async with StreamMultiplexer(channel) as mux:
 
         async def pieces(n: int) -> list[int]:
-            async with mux.stream(repeat_request(n)) as responses:
-                return [int(np.frombuffer(r.raw_output_contents[0], np.int32)[0]) async for r in responses]
+            responses: SharedStreamCall = mux.call(repeat_proto(repeat, n), many=True, timeout_s=60)
+            return [int(r["OUT"][0]) async for r in responses]
 
         counts = [0, 1, 7, 3, 12, 5]
         got = await asyncio.gather(*(pieces(n) for n in counts))
@@ -202,19 +254,22 @@ async def test_decoupled_responses_stream_in_order_and_end_on_final_flag(channel
         assert mux.pending_count == 0
 
 
-async def test_decoupled_error_ends_its_stream_only(channel: grpc.aio.Channel) -> None:
+async def test_decoupled_error_ends_its_stream_only(channel: grpc.aio.Channel, repeat: Model) -> None:
     """An error response on one decoupled request raises from its iterator; a concurrent one completes."""
-    async with StreamMultiplexer(channel) as mux, mux.stream(repeat_request(4)) as good:
+    async with StreamMultiplexer(channel) as mux:
+        good = mux.call(repeat_proto(repeat, 4), many=True, timeout_s=60)
+        first = await anext(good)  # sent first, so it is in flight while the bad one fails
+        bad = mux.call(repeat_proto(repeat, -1), many=True, timeout_s=60)
         with pytest.raises(InternalServerError, match="N must be >= 0, got -1"):
-            async with mux.stream(repeat_request(-1)) as bad:
-                _ = [r async for r in bad]
-        assert [int(np.frombuffer(r.raw_output_contents[0], np.int32)[0]) async for r in good] == [0, 1, 2, 3]
+            _ = [r async for r in bad]
+        rest = [int(r["OUT"][0]) async for r in good]
+        assert [int(first["OUT"][0]), *rest] == [0, 1, 2, 3]
+        assert mux.pending_count == 0
 
 
-async def test_decoupled_spec_read_from_the_real_config(triton_server: LocalTriton) -> None:
+async def test_decoupled_spec_read_from_the_real_config(client: Client) -> None:
     """The model handle knows repeat_int32 is decoupled, and unary inference on it is refused before sending."""
-    async with Client(triton_server.grpc_url) as client:
-        model = await client.model("repeat_int32")
-        assert model.spec.decoupled is True
-        with pytest.raises(UsageError, match="decoupled"):
-            await model.infer(N=np.array([2], dtype=np.int32))
+    model = await client.model("repeat_int32")
+    assert model.spec.decoupled is True
+    with pytest.raises(UsageError, match="decoupled"):
+        await model.infer(N=np.array([2], dtype=np.int32))

@@ -28,6 +28,7 @@ __all__ = ["DEFAULT_CHANNEL_OPTIONS", "GrpcTransport"]
 _log = logging.getLogger("triton_npu_client.grpc")
 
 _INT32_MAX: Final = 2**31 - 1
+_PING_TIMEOUT: Final = "grpc.http2.ping_timeout_ms"
 
 # Merged under the caller's channel options (tritonclient replaces all its defaults when any are given).
 # Keepalive: a long-lived stream on a half-open connection would otherwise wait forever; a ping every 20 s
@@ -129,6 +130,10 @@ class GrpcTransport:
         self._metadata: tuple[tuple[str, str], ...] = tuple((k.lower(), v) for k, v in dict(headers or {}).items())
         merged = dict(DEFAULT_CHANNEL_OPTIONS)
         merged.update(dict(channel_options or {}))
+        # grpc core (seen with grpcio 1.85) fails a connection on an unanswered ping, keepalive's included, only
+        # after grpc.http2.ping_timeout_ms (60 s unless set), whatever keepalive_timeout_ms says: tie the two so
+        # the keepalive timeout in force is the one given.
+        merged.setdefault(_PING_TIMEOUT, merged["grpc.keepalive_timeout_ms"])
         if tls is not None and tls.server_name:
             merged["grpc.ssl_target_name_override"] = tls.server_name
         self.channel_options: tuple[tuple[str, Any], ...] = tuple(merged.items())

@@ -218,11 +218,11 @@ class _Stream:
                 waiter.queue.put_nowait(exc)
         self._call.cancel()
 
-    async def aclose(self) -> None:
+    def stop(self) -> asyncio.Task[None]:
+        """Fail what is pending with ClientClosedError and cancel the reader; returns the reader to wait for."""
         self._fail(ClientClosedError("The stream multiplexer was closed."), cause=None)
         self._reader.cancel()
-        # asyncio.wait does not raise the reader's CancelledError, so a cancellation of *our* caller still does.
-        await asyncio.wait([self._reader])
+        return self._reader
 
 
 class StreamMultiplexer:
@@ -311,9 +311,11 @@ class StreamMultiplexer:
             return
         self._closed = True
         slots, self._slots = self._slots, [None] * len(self._slots)
-        for stream in slots:
-            if stream is not None:
-                await stream.aclose()
+        # Every stream stops before the first wait: a caller cancelled during the wait leaves none running.
+        readers = [stream.stop() for stream in slots if stream is not None]
+        if readers:
+            # asyncio.wait does not raise the readers' CancelledError, so a cancellation of *our* caller still does.
+            await asyncio.wait(readers)
 
     async def __aenter__(self) -> Self:
         return self
