@@ -323,7 +323,8 @@ async def test_own_route_yields_every_response_then_stops(client: Client) -> Non
     assert got == [0, 1, 2, 3, 4]
     with pytest.raises(StopAsyncIteration):
         await anext(responses)
-    assert responses._call.done()  # nothing left running on this side
+    # Complete: the client does not cancel it; the server ends the call with OK on its own.
+    assert await responses._call.code() == grpc.StatusCode.OK
 
 
 async def test_closing_an_own_route_call_early_cancels_it(client: Client) -> None:
@@ -364,3 +365,16 @@ async def test_http_requests_beyond_the_connection_limit_wait_before_they_are_se
     assert events[:2] == [("send", 0), ("send", 1)]
     assert events[2] in (("answer", 0), ("answer", 1))
     assert events[3] == ("send", 2)
+
+
+async def test_closing_a_shared_call_from_another_task_wakes_its_reader(client: Client) -> None:
+    """aclose() from another task ends a reader waiting on the shared stream (it would otherwise wait forever)."""
+    slow = await client.model("slow_echo")
+    sent = asyncio.Event()
+    responses = client.transport.call(slow_request(slow, 3.0), timeout_s=None, route="shared", on_send=sent.set)
+    reader = asyncio.create_task(responses.single())
+    await sent.wait()
+    await responses.aclose()
+    async with asyncio.timeout(SAFETY_NET_S):
+        with pytest.raises(ClientClosedError):
+            await reader

@@ -21,7 +21,7 @@ from .._errors._classify import map_error
 from .._wire import InferRequest, InferResult
 from ._base import Json, OnSend, Responses, Route, server_timeout_us
 from ._options import TLSConfig
-from ._stream import METHOD, OwnStreamCall, StreamMultiplexer
+from ._stream import METHOD, Outgoing, OwnStreamCall, StreamMultiplexer
 
 __all__ = ["DEFAULT_CHANNEL_OPTIONS", "GrpcTransport"]
 
@@ -54,20 +54,23 @@ def _to_dict(message: Any) -> Json:
 class _UnaryCall:
     """One ``ModelInfer`` RPC: the one response, sent when first awaited."""
 
-    __slots__ = ("_done", "_on_send", "_proto", "_request", "_sequence_id", "_timeout_s", "_transport")
+    __slots__ = ("_done", "_on_send", "_payload", "_request", "_request_id", "_sequence_id", "_timeout_s",
+                 "_transport")
 
     def __init__(
         self,
         transport: GrpcTransport,
         request: InferRequest,
-        proto: Any,
+        payload: bytes,
+        request_id: str,
         sequence_id: int | str | None,
         timeout_s: float | None,
         on_send: OnSend | None,
     ) -> None:
         self._transport = transport
         self._request = request
-        self._proto = proto
+        self._payload = payload
+        self._request_id = request_id
         self._sequence_id = sequence_id
         self._timeout_s = timeout_s
         self._on_send = on_send
@@ -82,16 +85,14 @@ class _UnaryCall:
         transport = self._transport
         try:
             # Cancelling the awaiting task cancels this call: grpc.aio turns CancelledError into an RPC cancel.
-            response = await transport._stub.ModelInfer(
-                self._proto, metadata=transport._metadata, timeout=self._timeout_s
-            )
+            response = await transport._infer(self._payload, metadata=transport._metadata, timeout=self._timeout_s)
         except grpc.RpcError as err:
             request = self._request
             raise transport._map(
                 err,
                 model=request.model,
                 version=request.version or None,
-                request_id=self._proto.id,
+                request_id=self._request_id,
                 sequence_id=self._sequence_id,
             ) from err
         return InferResult.from_grpc(response)
@@ -143,6 +144,12 @@ class GrpcTransport:
         else:
             self._channel = grpc.aio.insecure_channel(target, options=self.channel_options)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        # Inference sends bytes assembled by InferRequest.grpc_bytes (no protobuf object per call).
+        self._infer = self._channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=None,
+            response_deserializer=service_pb2.ModelInferResponse.FromString,
+        )
         self._own_stream = self._channel.stream_stream(
             METHOD, request_serializer=None, response_deserializer=service_pb2.ModelStreamInferResponse.FromString
         )
@@ -211,27 +218,33 @@ class GrpcTransport:
                     f"model {request.model!r}: a request answered by several responses needs a streamed route",
                     model=request.model,
                 )
-            proto = request.to_grpc(
+            payload = request.grpc_bytes(
                 request_id=request_id,
                 sequence_id=sequence_id,
                 sequence_start=sequence_start,
                 sequence_end=sequence_end,
                 timeout_us=server_timeout_us(timeout_s, sequence_id),
             )
-            return _UnaryCall(self, request, proto, sequence_id, timeout_s, on_send)
-        # Streamed requests get a fresh protobuf: the stream sets the id (and the empty-final opt-in) on it.
-        proto = request.to_grpc(
-            request_id="-",
-            sequence_id=sequence_id,
-            sequence_start=sequence_start,
-            sequence_end=sequence_end,
-            timeout_us=server_timeout_us(timeout_s, sequence_id),
-        )
+            return _UnaryCall(self, request, payload, request_id, sequence_id, timeout_s, on_send)
+        timeout_us = server_timeout_us(timeout_s, sequence_id)
+
+        def encode(stream_request_id: str, empty_final: bool) -> bytes:
+            # The stream gives each request its id (and, for many responses, asks for the empty final one).
+            return request.grpc_bytes(
+                request_id=stream_request_id,
+                sequence_id=sequence_id,
+                sequence_start=sequence_start,
+                sequence_end=sequence_end,
+                timeout_us=timeout_us,
+                empty_final=empty_final,
+            )
+
+        outgoing = Outgoing(request.model, sequence_id, encode)
         if route == "shared":
-            return self.multiplexer().call(proto, key=sequence_id, many=many, timeout_s=timeout_s, on_send=on_send)
+            return self.multiplexer().call(outgoing, key=sequence_id, many=many, timeout_s=timeout_s, on_send=on_send)
         if route == "own":
             return OwnStreamCall(
-                self._own_stream, proto, metadata=self._metadata, many=many, timeout_s=timeout_s, on_send=on_send
+                self._own_stream, outgoing, metadata=self._metadata, many=many, timeout_s=timeout_s, on_send=on_send
             )
         raise UsageError(f"unknown route {route!r}")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final, Self
 
 import grpc
@@ -33,7 +33,7 @@ from .._errors._classify import map_error, map_stream_error
 from .._wire import InferResult
 from ._base import OnSend
 
-__all__ = ["OwnStreamCall", "SharedStreamCall", "StreamMultiplexer", "is_final", "request_payload"]
+__all__ = ["Outgoing", "OwnStreamCall", "SharedStreamCall", "StreamMultiplexer", "is_final", "request_payload"]
 
 _log = logging.getLogger("triton_npu_client.stream")
 
@@ -65,6 +65,31 @@ def request_payload(request: Any, *, request_id: str, many: bool) -> bytes:
         return bytes(request.SerializeToString())
     finally:
         del request.parameters[_ENABLE_EMPTY_FINAL]
+
+
+class Outgoing:
+    """What a streamed call sends: its model and sequence id (for errors) and its bytes, given the request id."""
+
+    __slots__ = ("encode", "model", "sequence_id")
+
+    def __init__(
+        self, model: str, sequence_id: int | str | None, encode: Callable[[str, bool], bytes]
+    ) -> None:
+        self.model = model
+        self.sequence_id = sequence_id
+        # encode(request_id, many) -> the serialised ModelInferRequest
+        self.encode = encode
+
+    @classmethod
+    def of(cls, request: Any) -> Outgoing:
+        """An :class:`Outgoing` as is, or one made from a ``ModelInferRequest`` protobuf."""
+        if isinstance(request, Outgoing):
+            return request
+        return cls(
+            request.model_name,
+            _sequence_id(request),
+            lambda request_id, many: request_payload(request, request_id=request_id, many=many),
+        )
 
 
 def _sequence_id(request: Any) -> int | str | None:
@@ -299,7 +324,8 @@ class StreamMultiplexer:
         timeout_s: float | None = None,
         on_send: OnSend | None = None,
     ) -> SharedStreamCall:
-        """``request`` (a ``ModelInferRequest``) on the shared stream; sent when its answers are first awaited.
+        """``request`` (an :class:`Outgoing`, or a ``ModelInferRequest``) on the shared stream; sent when its answers
+        are first awaited.
 
         ``timeout_s`` bounds the wait on this side only: the request has been sent and Triton still runs it.
         """
@@ -341,14 +367,15 @@ class SharedStreamCall:
         on_send: OnSend | None,
     ) -> None:
         self._mux = mux
-        self._request = request
+        outgoing = Outgoing.of(request)
+        self._request = outgoing
         self._key = key
         self._many = many
         self._timeout_s = timeout_s
         self._deadline = _deadline(timeout_s)
         self._on_send = on_send
-        self._model: str = request.model_name
-        self._sequence_id = _sequence_id(request)
+        self._model = outgoing.model
+        self._sequence_id = outgoing.sequence_id
         self._request_id = ""
         self._stream: _Stream | None = None
         self._waiter: _Waiter | None = None
@@ -368,7 +395,7 @@ class SharedStreamCall:
             await mux._room.acquire()
         try:
             request_id = str(next(mux._ids))
-            payload = request_payload(self._request, request_id=request_id, many=self._many)
+            payload = self._request.encode(request_id, self._many)
             stream = mux._slot_for(self._key)
             waiter = _Waiter(many=self._many, model=self._model, sequence_id=self._sequence_id)
             if self._on_send is not None:
@@ -386,6 +413,15 @@ class SharedStreamCall:
             if self._stream is not None:
                 self._stream.pending.pop(self._request_id, None)
                 self._mux._room.release()
+            waiter = self._waiter
+            if waiter is not None:
+                # A reader still waiting (aclose() came from another task) must not wait for an answer that the
+                # stream will no longer route to it.
+                closed = ClientClosedError("this request's responses were closed", model=self._model)
+                if waiter.future is not None and not waiter.future.done():
+                    waiter.future.set_exception(closed)
+                elif waiter.queue is not None:
+                    waiter.queue.put_nowait(closed)
 
     def _error(self, message: Any) -> TritonError:
         if isinstance(message, TritonError):
@@ -488,13 +524,14 @@ class OwnStreamCall:
         on_send: OnSend | None,
     ) -> None:
         self._multicallable = multicallable
-        self._request = request
+        outgoing = Outgoing.of(request)
+        self._request = outgoing
         self._metadata = tuple(metadata)
         self._many = many
         self._timeout_s = timeout_s
         self._on_send = on_send
-        self._model: str = request.model_name
-        self._sequence_id = _sequence_id(request)
+        self._model = outgoing.model
+        self._sequence_id = outgoing.sequence_id
         self._request_id = "1"
         self._call: Any = None
         self._done = False
@@ -503,17 +540,18 @@ class OwnStreamCall:
         return f"<OwnStreamCall model={self._model!r} done={self._done}>"
 
     def _open(self) -> Any:
-        payload = request_payload(self._request, request_id=self._request_id, many=self._many)
+        payload = self._request.encode(self._request_id, self._many)
         if self._on_send is not None:
             self._on_send()
         # One request, then half-close: Triton goes on answering until the final response, then ends the call.
         self._call = self._multicallable(iter((payload,)), metadata=self._metadata or None, timeout=self._timeout_s)
         return self._call
 
-    def _finish(self) -> None:
+    def _finish(self, *, complete: bool = False) -> None:
+        """Done reading; cancel the call unless the answer is complete (the server then ends the call itself)."""
         if not self._done:
             self._done = True
-            if self._call is not None and not self._call.done():
+            if not complete and self._call is not None and not self._call.done():
                 self._call.cancel()
 
     async def single(self) -> InferResult:
@@ -553,7 +591,7 @@ class OwnStreamCall:
             )
         response = message.infer_response
         if not self._many or is_final(response):
-            self._finish()
+            self._finish(complete=True)
             if self._many and not response.outputs:
                 raise StopAsyncIteration
         return InferResult.from_grpc(response)
