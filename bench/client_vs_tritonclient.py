@@ -1,6 +1,7 @@
 """Issue 3's benchmark: this client vs a plain ``tritonclient.grpc.aio`` loop vs ``perf_analyzer``.
 
-Same server, same model (``scale_fp32``), same input (FP32 [1, 4]) in one run, at concurrency 1, 4, 16, 64.
+Same server, same model (``scale_fp32``), same input (FP32 [1, 4]) in one run, at concurrency 1, 4, 16, 64, 256,
+in alternating rounds (each contender once per round; the median round is shown).
 Prints throughput, p50/p99 latency, the server's average executed batch size, and the ratios.
 
     python bench/client_vs_tritonclient.py            # starts its own server on server_models/
@@ -103,12 +104,14 @@ async def bench(ns: argparse.Namespace) -> list[Run]:
             *this_client_contenders(),
         ]
         for concurrency in ns.concurrency:
-            for contender in contenders:
-                runs = [
-                    await run_contender(contender, url, MODEL, concurrency=concurrency, duration_s=ns.seconds)
-                    for _ in range(ns.repeats)
-                ]
-                rows.append(median_run(runs))
+            # Alternating rounds (every contender once per round): drift on a shared machine hits all alike.
+            runs: dict[str, list[Run]] = {c.name: [] for c in contenders}
+            for _ in range(ns.repeats):
+                for contender in contenders:
+                    runs[contender.name].append(
+                        await run_contender(contender, url, MODEL, concurrency=concurrency, duration_s=ns.seconds)
+                    )
+            rows.extend(median_run(r) for r in runs.values())
             if pa is not None:
                 pa_runs = [
                     await run_perf_analyzer_at(
@@ -128,7 +131,7 @@ async def bench(ns: argparse.Namespace) -> list[Run]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--url", default=None, help="gRPC host:port of a running server (default: start one)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="(default 1 4 16 64)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="(default 1 4 16 64 256)")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one run (default 3)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is shown (default 3)")
     parser.add_argument("--quick", action="store_true", help="smoke run: concurrency 1 and 4, short runs, 1 repeat")
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.quick:
         ns.seconds, ns.repeats = 1.0, 1
     if ns.concurrency is None:
-        ns.concurrency = [1, 4] if ns.quick else [1, 4, 16, 64]
+        ns.concurrency = [1, 4] if ns.quick else [1, 4, 16, 64, 256]
     rows = asyncio.run(bench(ns))
     how = how_it_was_run()
     print(f"{how}\nmodel {MODEL}, input FP32 {list(INPUT.shape)}, gRPC, {ns.seconds:g} s per run, "

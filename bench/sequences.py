@@ -219,18 +219,21 @@ async def _bench(ns: argparse.Namespace, server: Server, pa: PerfAnalyzer | None
             *this_client_sequence_contenders(model),
         ]
         for in_flight in ns.in_flight:
-            for contender in contenders:
-                runs = []
-                for _ in range(ns.repeats):
+            # Alternating rounds (every contender once per round): drift on a shared machine hits all alike.
+            runs: dict[str, list[Run]] = {c.name: [] for c in contenders}
+            for _ in range(ns.repeats):
+                for contender in contenders:
+                    done = runs[contender.name]
+                    if done and done[-1].failure is not None:
+                        continue
                     # The model whose statistics give the average batch: a contender may run on a twin.
                     stats_model = getattr(contender, "stats_model", model)
-                    run = await _measure(
-                        contender, server, stats_model, in_flight=in_flight, steps=ns.steps, seconds=ns.seconds
+                    done.append(
+                        await _measure(
+                            contender, server, stats_model, in_flight=in_flight, steps=ns.steps, seconds=ns.seconds
+                        )
                     )
-                    runs.append(run)
-                    if run.failure is not None:
-                        break
-                rows.append(median_run(runs))
+            rows.extend(median_run(r) for r in runs.values())
             if pa is None:
                 continue
             url = server.url

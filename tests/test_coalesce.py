@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import collections
 
-import attrs
 import numpy as np
 import pytest
 
@@ -13,6 +12,7 @@ from triton_npu_client import (
     Client,
     ClientClosedError,
     Coalescing,
+    ConnectError,
     InferResult,
     InvalidArgumentError,
     LocalTriton,
@@ -248,13 +248,14 @@ async def test_a_merged_request_runs_under_the_earliest_deadline_of_its_callers(
 
 
 async def test_each_caller_of_a_failed_merged_request_gets_its_own_exception(triton_server: LocalTriton) -> None:
-    """Three merged callers get three InvalidArgumentError objects, copies of the server's, chained to it."""
+    """A merged request that fails on the way (a transport error) fails each caller with its own copy of it."""
     async with Client(triton_server.grpc_url) as plain:
         model = await plain.model(MODEL)
+        raised: list[ConnectError] = []
 
         async def send(merged: InferRequest) -> InferResult:
-            # dtypes_echo has no INPUT0: the server refuses the merged request.
-            return await model.infer_request(attrs.evolve(merged, model="dtypes_echo"))
+            raised.append(ConnectError("the connection broke", model=merged.model, status="UNAVAILABLE"))
+            raise raised[-1]
 
         coalescer = Coalescer(Coalescing(max_in_flight=1))
         calls = [
@@ -263,29 +264,62 @@ async def test_each_caller_of_a_failed_merged_request_gets_its_own_exception(tri
         ]  # 0 leaves alone, 1-3 queue behind it and leave together
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
         await coalescer.aclose()
-    assert all(isinstance(e, InvalidArgumentError) for e in outcomes), outcomes
-    errors = [e for e in outcomes if isinstance(e, InvalidArgumentError)]
+    assert all(isinstance(e, ConnectError) for e in outcomes), outcomes
+    errors = [e for e in outcomes if isinstance(e, ConnectError)]
     assert len({id(e) for e in errors}) == 4  # one object per caller
+    assert len(raised) == 2  # one request alone, one merged
     merged = errors[1:]
-    original = merged[0].__cause__
-    assert isinstance(original, InvalidArgumentError)
-    assert all(original is not e for e in errors)
+    original = raised[1]
     for err in merged:
         assert err.__cause__ is original
         assert type(err) is type(original)
-        assert (err.args, err.message, err.model, err.status) == (
-            original.args,
-            original.message,
-            original.model,
-            original.status,
-        )
-    assert original.model == "dtypes_echo"
-    assert errors[0].__cause__ is not original  # the first one failed in a request of its own
+        assert (err.message, err.model, err.status) == (original.message, original.model, original.status)
     merged[0].add_note("seen by one caller")
     merged[0].model = "changed by one caller"
     assert not hasattr(merged[1], "__notes__")
-    assert merged[1].model == original.model == "dtypes_echo"
+    assert merged[1].model == original.model == MODEL
     assert merged[0].__traceback__ is not merged[1].__traceback__
+
+
+async def test_a_refused_merged_request_is_resent_caller_by_caller(triton_server: LocalTriton) -> None:
+    """When the server refuses a merged request, each caller is re-sent alone: only the bad one gets an error."""
+    async with Client(triton_server.grpc_url, coalescing=None) as plain:
+        model = await plain.model(MODEL)
+        sent: list[int] = []
+
+        async def send(request: InferRequest) -> InferResult:
+            # Stands in for a model that refuses a batch holding one bad row (a negative value here).
+            sent.append(request.batch_size or 0)
+            if (request.inputs[0].array < 0).any():
+                raise InvalidArgumentError("negative input", model=request.model)
+            return await model.infer_request(request)
+
+        coalescer = Coalescer(Coalescing(max_in_flight=1))
+        values = [1.0, 2.0, -3.0, 4.0]
+        calls = [
+            coalescer.infer(model.request(INPUT0=[v]), timeout_s=None, max_batch_size=64, send=send) for v in values
+        ]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        await coalescer.aclose()
+    assert isinstance(outcomes[2], InvalidArgumentError)
+    assert [o["OUTPUT0"].tolist() for i, o in enumerate(outcomes) if i != 2] == [[[2.0]], [[4.0]], [[8.0]]]
+    assert sent == [1, 3, 1, 1, 1]  # alone; merged and refused; then each of the three alone
+
+
+async def test_the_default_client_coalesces_only_dynamic_batching_models(triton_server: LocalTriton) -> None:
+    """By default a client merges requests for models with dynamic_batching, and for no other model."""
+    async with Client(triton_server.grpc_url) as client:
+        dynamic = await client.model(MODEL)
+        assert dynamic.spec.dynamic_batching
+        coalescer = dynamic.caller.coalescer
+        assert coalescer is not None
+        request = dynamic.request(INPUT0=[1.0])
+        assert coalescer.eligible(request, max_batch_size=64, dynamic_batching=True)
+        assert not coalescer.eligible(request, max_batch_size=64, dynamic_batching=False)
+        everything = Coalescer(Coalescing())
+        assert everything.eligible(request, max_batch_size=64, dynamic_batching=False)
+    async with Client(triton_server.grpc_url, coalescing=None) as off:
+        assert (await off.model(MODEL)).caller.coalescer is None
 
 
 async def test_cancelling_aclose_cancels_its_caller_and_the_coalescer_still_closes(triton_server: LocalTriton) -> None:

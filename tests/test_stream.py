@@ -206,7 +206,7 @@ async def test_stream_failure_fails_pending_then_a_new_stream_opens(tmp_path: Pa
     """Killing the server fails a pending request with a TransportError; after a restart a new stream opens."""
     shutil.copytree(default_model_repository() / "scale_fp32", tmp_path / "scale_fp32")
     server = LocalTriton(tmp_path, stop_grace_s=0)
-    async with server, Client(server.grpc_url) as client:
+    async with server, Client(server.grpc_url, streams=1) as client:
         # Only the gRPC port is reused: the old HTTP port may sit in TIME_WAIT after the kill.
         grpc_port = server.grpc_port
         scale = await client.model("scale_fp32")
@@ -229,6 +229,8 @@ async def test_stream_failure_fails_pending_then_a_new_stream_opens(tmp_path: Pa
                 pass
         assert mux.pending_count == 0
         async with LocalTriton(tmp_path, grpc_port=grpc_port, stop_grace_s=0):
+            # The channel may still be in its reconnect back-off (a fresh call fails fast there): wait it out.
+            await client.wait_for_model_ready("scale_fp32")
             again = await transport.call(
                 scale.request(INPUT0=np.full(2, 5.0, np.float32)), timeout_s=60, route="shared"
             ).single()

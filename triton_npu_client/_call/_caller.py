@@ -7,15 +7,16 @@ by ``with_options`` gets its own caller over the same transport.
 
 from __future__ import annotations
 
+import time
 from typing import Final
 
-from .._errors import ClientClosedError
+from .._errors import ClientClosedError, TritonError
 from .._transport import Transport
 from .._transport._base import OnSend, Responses, Route
 from .._wire import InferRequest, InferResult
 from ._coalesce import Coalescer
 from ._defaults import UseClientDefault
-from ._retry import NO_RETRY, RetryPolicy, run_with_retry
+from ._retry import NO_RETRY, RetryPolicy, is_retriable, run_with_retry
 
 __all__ = ["Caller"]
 
@@ -83,13 +84,16 @@ class Caller:
         request_id: str = "",
         retry: bool = True,
         max_batch_size: int = 0,
+        dynamic_batching: bool = False,
     ) -> InferResult:
         """A stateless request answered once: coalesced when enabled and eligible, retried per the policy."""
         if self.closed:
             raise ClientClosedError("the client this model handle belongs to is closed")
         coalescer = self.coalescer
         policy = self.retry if retry else NO_RETRY
-        if coalescer is not None and not request_id and coalescer.eligible(request, max_batch_size=max_batch_size):
+        if coalescer is not None and not request_id and coalescer.eligible(
+            request, max_batch_size=max_batch_size, dynamic_batching=dynamic_batching
+        ):
             return await coalescer.infer(
                 request,
                 timeout_s=timeout_s,
@@ -102,10 +106,18 @@ class Caller:
         self, request: InferRequest, timeout_s: float | None, request_id: str, policy: RetryPolicy
     ) -> InferResult:
         transport = self.transport
-        if policy.max_attempts == 1:
+        # The first attempt is the hot path: no retry machinery unless it fails with something retriable.
+        started = time.monotonic()
+        try:
             return await transport.call(request, timeout_s=timeout_s, request_id=request_id).single()
+        except TritonError as err:
+            if policy.max_attempts == 1 or not is_retriable(err):
+                raise
+            first = err
 
         async def attempt(remaining_s: float | None) -> InferResult:
             return await transport.call(request, timeout_s=remaining_s, request_id=request_id).single()
 
-        return await run_with_retry(attempt, policy, timeout_s=timeout_s)
+        # One deadline across every attempt, the first included.
+        left = None if timeout_s is None else timeout_s - (time.monotonic() - started)
+        return await run_with_retry(attempt, policy, timeout_s=left, failed_first=first)

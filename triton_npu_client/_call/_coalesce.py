@@ -1,4 +1,4 @@
-"""Opt-in client-side batching: concurrent stateless requests to one model travel as one batched request.
+"""Client-side batching: concurrent stateless requests to one model travel as one batched request.
 
 Why: on the 2-core machines this SDK targets, gRPC's per-call machinery in Python (~250-350 us of client CPU
 per call, whether unary or one message on a stream) is the client's whole cost, and it is taken from the
@@ -27,13 +27,16 @@ same setting merge, and their deadlines differ only by when they arrived, so the
 member short by at most that spread; callers with other settings (1 s and 60 s, say) never share a request,
 so a short one never cuts a long one. A group per absolute deadline would give every caller its own group.
 
-What changes for callers (why it is opt-in, see :class:`Coalescing`):
+What changes for callers (why a client does it by default only for ``dynamic_batching`` models, see
+:class:`Coalescing`):
 
 - Rows of different callers execute in one batch, as Triton's dynamic batcher would do on the server: only
   for models whose rows are independent (what any model with ``dynamic_batching`` already promises).
-- An error of the merged request (model error, timeout, transport) is raised to every caller in it, each
-  getting its own copy (same type and attributes, ``__cause__`` the shared original), so what one caller
-  does to its exception (traceback, notes, attributes) never shows in another's.
+- A merged request the server refuses (a ``ServerError``: a model error, an input it rejects) is re-sent one
+  caller at a time, so each caller gets its own answer or its own error, as with the server's own batching.
+- A transport failure or a timeout of the merged request is raised to every caller in it, each getting its
+  own copy (same type and attributes, ``__cause__`` the shared original), so what one caller does to its
+  exception (traceback, notes, attributes) never shows in another's.
 - A merged request that runs past its earliest member's deadline fails all its members with
   ``RequestTimeout``, members with later deadlines included.
 - Cancelling a caller whose request is still queued here removes it (nothing is sent for it); once its
@@ -47,12 +50,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Final
+from typing import Final, Literal
 
 import attrs
 import numpy as np
 
-from .._errors import ClientClosedError, RequestTimeout
+from .._errors import ClientClosedError, RequestTimeout, ServerError
 from .._wire import EncodedInput, InferRequest, InferResult
 
 __all__ = ["Coalescer", "Coalescing"]
@@ -75,10 +78,18 @@ class Coalescing:
     ``max_queued``: requests waiting per group to be merged; further callers wait for room (their timeout
     runs meanwhile). None (the default) is 4 times the model's ``max_batch_size``. A value below
     ``max_batch_size`` also caps how many requests one batch can take.
-    Off by default: it changes error sharing and cancellation (see the module docstring).
+    A client coalesces by default for models with ``dynamic_batching`` only (``models="dynamic_batching"``):
+    their authors already let Triton merge requests. A merged request the server refuses (a model error, an
+    input it rejects) is re-sent caller by caller, so each caller gets its own answer or its own error; a
+    transport failure or a timeout reaches every caller in the batch (each its own copy).
     """
 
     max_in_flight: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    # Which models: "dynamic_batching", those whose config lets Triton merge requests (the client's default);
+    # "batched", any model with a batch dimension (max_batch_size > 1).
+    models: Literal["dynamic_batching", "batched"] = attrs.field(
+        default="batched", validator=attrs.validators.in_(("dynamic_batching", "batched"))
+    )
     max_queued: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
 
 
@@ -220,9 +231,10 @@ class Coalescer:
             f"queued={queued} waiting_for_room={waiting}>"
         )
 
-    @staticmethod
-    def eligible(request: InferRequest, *, max_batch_size: int) -> bool:
-        """Whether ``request`` may be merged: batched, and small enough to leave room for others."""
+    def eligible(self, request: InferRequest, *, max_batch_size: int, dynamic_batching: bool = True) -> bool:
+        """Whether ``request`` may be merged: a model in scope, batched, and small enough to leave room for others."""
+        if not dynamic_batching and self._policy.models == "dynamic_batching":
+            return False
         rows = request.batch_size
         return rows is not None and max_batch_size > 1 and rows * 2 <= max_batch_size
 
@@ -373,19 +385,16 @@ class Coalescer:
                 if not w.future.done():
                     w.future.set_exception(ClientClosedError(_CLOSED))
             raise
+        except ServerError as err:
+            if len(batch) == 1 or (limit is not None and limit.expired()):
+                self._fail(batch, err, limit)
+            else:
+                # The server refused the merged request: send each caller's own rows alone, so that each gets its
+                # own answer or its own error, as with Triton's own batching (stateless requests only come here).
+                _log.debug("coalesced request of %d refused (%r): re-sent one by one", len(batch), err)
+                await asyncio.gather(*(self._alone(w, limit) for w in batch))
         except Exception as err:
-            error: Exception = err
-            if limit is not None and limit.expired():
-                error = RequestTimeout(
-                    f"The coalesced request of {len(batch)} callers ran past the earliest of their deadlines.",
-                    model=batch[0].request.model,
-                    version=batch[0].request.version or None,
-                )
-                error.__cause__ = err
-            _log.debug("coalesced request of %d failed: %r", len(batch), error)
-            for w in batch:
-                if not w.future.done():
-                    w.future.set_exception(own_copy(error))
+            self._fail(batch, err, limit)
         else:
             for w, part in zip(batch, parts, strict=True):
                 if not w.future.done():
@@ -394,6 +403,36 @@ class Coalescer:
             group.in_flight -= 1
             # Whatever queued while this batch was out leaves now, together.
             self._launch(key, group)
+
+    @staticmethod
+    async def _alone(w: _Waiting, limit: asyncio.Timeout | None) -> None:
+        try:
+            if limit is None:
+                result = await w.send(w.request)
+            else:
+                async with asyncio.timeout_at(limit.when()):
+                    result = await w.send(w.request)
+        except Exception as err:
+            if not w.future.done():
+                w.future.set_exception(err)
+        else:
+            if not w.future.done():
+                w.future.set_result(result)
+
+    @staticmethod
+    def _fail(batch: list[_Waiting], err: Exception, limit: asyncio.Timeout | None) -> None:
+        error: Exception = err
+        if limit is not None and limit.expired():
+            error = RequestTimeout(
+                f"The coalesced request of {len(batch)} callers ran past the earliest of their deadlines.",
+                model=batch[0].request.model,
+                version=batch[0].request.version or None,
+            )
+            error.__cause__ = err
+        _log.debug("coalesced request of %d failed: %r", len(batch), error)
+        for w in batch:
+            if not w.future.done():
+                w.future.set_exception(own_copy(error))
 
     async def aclose(self) -> None:
         """Stop: merged requests in flight are cancelled, their callers and queued ones get ClientClosedError.

@@ -66,24 +66,29 @@ async def run_with_retry(
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     rng: random.Random | None = None,
     clock: Callable[[], float] = time.monotonic,
+    failed_first: TritonError | None = None,
 ) -> T:
     """Await ``call(remaining_s)``; on a retriable :class:`TritonError` try again per ``policy``.
 
     ``timeout_s`` is ONE deadline across every attempt and the waits between them: each attempt gets what is
     left, and no retry starts that could not finish in time (the last error is raised instead).
+    ``failed_first``: the caller already made attempt 1 itself, which failed with this retriable error.
     """
     deadline = None if timeout_s is None else clock() + timeout_s
     attempt = 1
+    err: TritonError | None = failed_first
     while True:
-        remaining = None if deadline is None else max(0.0, deadline - clock())
-        try:
-            return await call(remaining)
-        except TritonError as err:
+        if err is not None:
             if attempt >= policy.max_attempts or not is_retriable(err):
-                raise
+                raise err
             delay = policy.delay_s(attempt, rng)
             if deadline is not None and clock() + delay >= deadline:
-                raise
+                raise err
             _log.debug("retry %d/%d in %.3fs after %r", attempt, policy.max_attempts - 1, delay, err)
             attempt += 1
             await sleep(delay)
+        remaining = None if deadline is None else max(0.0, deadline - clock())
+        try:
+            return await call(remaining)
+        except TritonError as failed:
+            err = failed

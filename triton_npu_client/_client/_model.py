@@ -140,6 +140,7 @@ class Model:
             request_id=request_id,
             retry=retry,
             max_batch_size=spec.max_batch_size,
+            dynamic_batching=spec.dynamic_batching,
         )
 
     def _refusal(self) -> UsageError:

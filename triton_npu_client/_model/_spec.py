@@ -166,6 +166,8 @@ class ModelSpec:
     max_batch_size: int = 0
     sequence: SequenceSpec | None = None
     decoupled: bool = False
+    # The model lets Triton merge requests (rows are independent): client-side merging is the same promise.
+    dynamic_batching: bool = False
     _inputs_by_name: Mapping[str, TensorSpec] = attrs.field(init=False, repr=False, eq=False)
     _outputs_by_name: Mapping[str, TensorSpec] = attrs.field(init=False, repr=False, eq=False)
 
@@ -224,4 +226,5 @@ class ModelSpec:
             max_batch_size=int(_field(config, _pb.ModelConfig, "max_batch_size")),
             sequence=SequenceSpec.from_config(sb, parameters=config.get("parameters")) if sb is not None else None,
             decoupled=bool(_field(policy, _pb.ModelTransactionPolicy, "decoupled")),
+            dynamic_batching=config.get("dynamic_batching") is not None,
         )

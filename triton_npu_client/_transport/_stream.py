@@ -20,6 +20,7 @@ as sent), the queue feeding each stream, and the answers buffered for one multi-
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -137,8 +138,36 @@ def _deadline(timeout_s: float | None) -> float | None:
     return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
 
+class _Inbox:
+    """The answers to one multi-response request, in arrival order: a deque and one wake-up future.
+
+    Lighter than an ``asyncio.Queue`` (made per request on the hot path); one reader only.
+    """
+
+    __slots__ = ("_items", "_wake")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._wake: asyncio.Future[None] | None = None
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        return self._items.popleft()
+
+
 class _Waiter:
-    """Where the reader delivers the answers to one request: a future (one response) or a bounded queue (many)."""
+    """Where the reader delivers the answers to one request: a future (one response) or an inbox (many)."""
 
     __slots__ = ("future", "model", "queue", "sequence_id")
 
@@ -146,7 +175,7 @@ class _Waiter:
         self.model = model
         self.sequence_id = sequence_id
         self.future: asyncio.Future[Any] | None = None if many else asyncio.get_running_loop().create_future()
-        self.queue: asyncio.Queue[Any] | None = asyncio.Queue() if many else None
+        self.queue: _Inbox | None = _Inbox() if many else None
 
 
 class _Stream:
@@ -391,8 +420,12 @@ class SharedStreamCall:
     async def _send(self) -> _Waiter:
         mux = self._mux
         # Counted against max_pending until answered; a caller waiting here has sent nothing yet.
-        async with asyncio.timeout_at(self._deadline):
-            await mux._room.acquire()
+        room = mux._room
+        if room.locked():
+            async with asyncio.timeout_at(self._deadline):
+                await room.acquire()
+        else:
+            await room.acquire()  # free: returns at once, no timer needed
         try:
             request_id = str(next(mux._ids))
             payload = self._request.encode(request_id, self._many)
@@ -444,8 +477,6 @@ class SharedStreamCall:
             raise
 
     async def single(self) -> InferResult:
-        if self._many:
-            return await _single_of(self, self._model)
         if self._done:
             raise UsageError("this request's answer was already read")
         try:
@@ -453,12 +484,33 @@ class SharedStreamCall:
         except TimeoutError as err:
             self._done = True
             raise _timeout(self._model, "", self._sequence_id, self._timeout_s) from err
-        assert waiter.future is not None
-        message = await self._wait(waiter.future)
+        if waiter.future is not None:
+            message = await self._wait(waiter.future)
+            self._release()
+            if message.error_message:
+                raise self._error(message)
+            return InferResult.from_grpc(message.infer_response)
+        # Many responses allowed (a decoupled model), exactly one expected: read to the final flag under one timer.
+        inbox = waiter.queue
+        assert inbox is not None
+        got = await self._wait(self._collect(inbox))
         self._release()
-        if message.error_message:
-            raise self._error(message)
-        return InferResult.from_grpc(message.infer_response)
+        if len(got) != 1:
+            raise _not_one(self._model, len(got))
+        return InferResult.from_grpc(got[0])
+
+    async def _collect(self, inbox: _Inbox) -> list[Any]:
+        got = []
+        while True:
+            item = await inbox.get()
+            if isinstance(item, TritonError) or item.error_message:
+                raise self._error(item)
+            response = item.infer_response
+            final = is_final(response)
+            if response.outputs or not final:
+                got.append(response)
+            if final:
+                return got
 
     def __aiter__(self) -> Self:
         return self
@@ -493,17 +545,21 @@ class SharedStreamCall:
         self._release()
 
 
+def _not_one(model: str, n: int) -> UsageError:
+    return UsageError(
+        f"model {model!r} answered {n} responses to one request; read them with a stream "
+        "(e.g. a session's stream()) instead",
+        model=model,
+    )
+
+
 async def _single_of(responses: Any, model: str) -> InferResult:
     """Read every response of a multi-response request; exactly one is expected."""
     got: list[InferResult] = []
     async for result in responses:
         got.append(result)
     if len(got) != 1:
-        raise UsageError(
-            f"model {model!r} answered {len(got)} responses to one request; read them with a stream "
-            "(e.g. a session's stream()) instead",
-            model=model,
-        )
+        raise _not_one(model, len(got))
     return got[0]
 
 

@@ -63,6 +63,11 @@ _END = {flag: _bool_param("sequence_end", flag) for flag in (False, True)}
 _EMPTY_FINAL: Final = _bool_param("triton_enable_empty_final_response", True)
 
 
+@functools.lru_cache(maxsize=64)  # a client sends the same timeout with every request
+def _timeout_param(timeout_us: int) -> bytes:
+    return _param("timeout", b"\x10" + _varint(timeout_us))  # int64_param = 2
+
+
 @functools.lru_cache(maxsize=4096)  # a session sends the same id with every step
 def _sequence_id_param(sequence_id: int | str) -> bytes:
     if isinstance(sequence_id, str):
@@ -139,7 +144,7 @@ class InferRequest:
         if sequence_id is not None:
             parts += (_sequence_id_param(sequence_id), _START[sequence_start], _END[sequence_end])
         if timeout_us is not None:
-            parts.append(_param("timeout", b"\x10" + _varint(timeout_us)))
+            parts.append(_timeout_param(timeout_us))
         if empty_final:
             parts.append(_EMPTY_FINAL)
         for i in self.inputs:
