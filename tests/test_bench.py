@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PLAIN = "tritonclient.grpc.aio loop"
 PERF_ANALYZER = "perf_analyzer (C++)"
 THIS_CLIENT = (
-    "this client (model.infer)",
-    "this client (prebuilt request)",
-    "this client (model.infer, coalescing)",
+    "this client (model.infer, default)",
+    "this client (model.infer, no coalescing)",
+    "this client (prebuilt request, no coalescing)",
 )
 THIS_CLIENT_SESSIONS = ("this client (streaming sessions, seq_stats_stream)", "this client (unary sessions)")
 
