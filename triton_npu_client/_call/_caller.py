@@ -1,8 +1,8 @@
 """The caller: what every request goes through between the handles above and the transport's one call primitive.
 
 It applies the client's defaults (the per-call timeout), retries stateless requests under one deadline, and
-routes stateless requests through the coalescer (on by default for dynamic_batching models). Model handles and sessions hold a caller; a client made
-by ``with_options`` gets its own caller over the same transport.
+routes stateless requests through the coalescer (on by default for dynamic_batching models). Model handles and
+sessions hold a caller; a client made by ``with_options`` gets its own caller over the same transport.
 """
 
 from __future__ import annotations
