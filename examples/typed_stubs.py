@@ -2,9 +2,11 @@
 
 ``examples/scale_models.py`` was generated with::
 
-    triton-npu stubs server_models --model scale_fp32 -o examples/scale_models.py
+    .venv/bin/triton-npu stubs server_models --model scale_fp32 -o examples/scale_models.py
 
-so mypy rejects ``ScaleFp32Inputs(INPUT1=...)`` (no such input) or a float64 array for the FP32 input.
+so mypy rejects ``ScaleFp32Inputs(INPUT1=...)`` (no such input), and a float64 array for the FP32 input only when
+the array is typed as one (``npt.NDArray[np.float64]``); an array built inline is ``NDArray[Any]`` to mypy, and
+the SDK refuses it at run time (``InputDtypeError``) before anything is sent.
 Run it with ``python examples/typed_stubs.py`` (starts a local server) or ``--url HOST:PORT`` (gRPC).
 """
 
