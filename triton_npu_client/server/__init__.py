@@ -21,6 +21,8 @@ from ._device import (
     to_host,
 )
 from ._generate import SEQUENCE_BUSY, ExitReason, StepLoop, StepOutput, Stream
+from ._gpt2 import GPT2, GPT2Config, GPT2Layer, KVCache, load_gpt2
+from ._gpt2 import forward as gpt2_forward
 from ._model import RunningStatsModel
 from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
 
@@ -32,6 +34,10 @@ __all__ = [
     "BatchPlan",
     "DeviceChoice",
     "ExitReason",
+    "GPT2",
+    "GPT2Config",
+    "GPT2Layer",
+    "KVCache",
     "NumpyMoments",
     "Refusal",
     "RunningMoments",
@@ -45,7 +51,9 @@ __all__ = [
     "accelerator_possible",
     "activate",
     "choose_device",
+    "gpt2_forward",
     "instance_index",
+    "load_gpt2",
     "model_parameter",
     "parse_device_ids",
     "parse_model_config",

@@ -1,0 +1,211 @@
+"""The server toolkit's GPT-2 decoder and slot KV cache against Hugging Face transformers' GPT-2 (on CPU).
+
+The reference is a random tiny ``GPT2LMHeadModel`` saved with ``save_pretrained`` and read back by
+:func:`load_gpt2`; every comparison is against transformers run on the whole sequence without a cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from triton_npu_client.server import GPT2, GPT2Config, KVCache, gpt2_forward, load_gpt2
+
+TOL = 1e-4
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[transformers.GPT2LMHeadModel, Path]:
+    """A random tiny GPT-2 (fixed seed) and the folder it was saved to."""
+    torch.manual_seed(1234)
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        vocab_size=VOCAB,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        # Ten times the default spread, so that logits spread wide and an error in any part of
+        # the block (even the GELU approximation) shows above the tolerance.
+        initializer_range=0.2,
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    # Fresh models have zero biases and unit LayerNorm scales, which would hide a bias or scale read
+    # from the wrong key: move every parameter off its initial value.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    folder = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(folder, safe_serialization=True)
+    return model, folder
+
+
+@pytest.fixture(scope="module")
+def model(reference: tuple[transformers.GPT2LMHeadModel, Path]) -> GPT2:
+    return load_gpt2(reference[1], "cpu", torch.float32)
+
+
+def hf_logits(reference: tuple[transformers.GPT2LMHeadModel, Path], ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(ids), vocab] for the whole sequence, no cache."""
+    with torch.no_grad():
+        out = reference[0](torch.tensor([ids]), use_cache=False)
+    return out.logits[0].float()
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (length,), generator=g).tolist()
+
+
+def decode_alone(model: GPT2, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill ``ids`` in slot 0 of a fresh cache, then ``steps`` greedy steps: (new tokens, each step's logits)."""
+    cache = KVCache.allocate(model, slots=1)
+    logits = gpt2_forward(model, cache, [0], torch.tensor([ids]))[0]
+    tokens, seen = [], [logits]
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = gpt2_forward(model, cache, [0], torch.tensor([[tokens[-1]]]))[0]
+        seen.append(logits)
+    return tokens, seen
+
+
+def test_config_reads_hugging_face_json(reference: tuple[transformers.GPT2LMHeadModel, Path], tmp_path: Path) -> None:
+    """config.json gives the shape; old checkpoints' n_ctx stands in for n_positions; unknown variants are refused."""
+    config = GPT2Config.from_file(reference[1])
+    assert (config.n_layer, config.n_head, config.n_embd, config.n_positions, config.vocab_size) == (2, 4, 64, 64, 97)
+    assert config.head_dim == 16
+    assert config.layer_norm_epsilon == reference[0].config.layer_norm_epsilon
+    raw = json.loads((reference[1] / "config.json").read_text())
+    del raw["n_positions"]
+    raw["n_ctx"] = 32
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert GPT2Config.from_file(tmp_path / "config.json").n_positions == 32
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
+        GPT2Config.from_dict({**raw, "scale_attn_by_inverse_layer_idx": True})
+
+
+def test_full_sequence_logits_match_transformers(
+    reference: tuple[transformers.GPT2LMHeadModel, Path], model: GPT2
+) -> None:
+    """A prompt prefilled in one step gives transformers' logits at every position."""
+    ids = prompt(1, 17)
+    cache = KVCache.allocate(model, slots=2)
+    ours = gpt2_forward(model, cache, [1], torch.tensor([ids]), all_logits=True)[0]
+    assert ours.shape == (17, VOCAB)
+    assert (ours - hf_logits(reference, ids)).abs().max().item() < TOL
+    assert cache.lengths == [0, 17]
+
+
+def test_loads_keys_without_the_transformer_prefix(
+    reference: tuple[transformers.GPT2LMHeadModel, Path], model: GPT2, tmp_path: Path
+) -> None:
+    """A GPT2Model-style checkpoint (no ``transformer.`` prefix) loads to the same weights."""
+    weights = load_file(str(reference[1] / "model.safetensors"))
+    assert any(k.startswith("transformer.") for k in weights)
+    save_file({k.removeprefix("transformer."): v for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_bytes((reference[1] / "config.json").read_bytes())
+    bare = load_gpt2(tmp_path)
+    assert torch.equal(bare.wte, model.wte)
+    assert all(torch.equal(a.attn_weight, b.attn_weight) for a, b in zip(bare.layers, model.layers, strict=True))
+    del weights["transformer.h.1.mlp.c_fc.bias"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(KeyError, match=r"h\.1\.mlp\.c_fc\.bias"):
+        load_gpt2(tmp_path)
+
+
+def test_prefill_then_greedy_decode_matches_transformers_and_keeps_the_cache_in_place(
+    reference: tuple[transformers.GPT2LMHeadModel, Path], model: GPT2
+) -> None:
+    """Each cached decode step gives transformers' no-cache logits and the same greedy token; no reallocation."""
+    ids = prompt(2, 9)
+    cache = KVCache.allocate(model, slots=3)
+    pointers = [t.data_ptr() for t in (*cache.keys, *cache.values)]
+    shapes = [t.shape for t in (*cache.keys, *cache.values)]
+
+    ours_seq, ref_seq = list(ids), list(ids)
+    logits = gpt2_forward(model, cache, [2], torch.tensor([ids]))[0]
+    for _ in range(12):
+        ref = hf_logits(reference, ref_seq)[-1]
+        assert (logits - ref).abs().max().item() < TOL
+        ours_seq.append(int(logits.argmax()))
+        ref_seq.append(int(ref.argmax()))
+        assert ours_seq == ref_seq
+        logits = gpt2_forward(model, cache, [2], torch.tensor([[ours_seq[-1]]]))[0]
+    assert cache.lengths[2] == len(ours_seq)
+    assert [t.data_ptr() for t in (*cache.keys, *cache.values)] == pointers
+    assert [t.shape for t in (*cache.keys, *cache.values)] == shapes
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [5, 2, 0, 3]], ids=["consecutive", "scattered"])
+def test_batched_decode_equals_each_slot_decoded_alone(model: GPT2, slots: list[int]) -> None:
+    """Four slots with different prompt lengths, one batched step per token, give each slot's solo tokens and logits."""
+    prompts = [prompt(10 + i, n) for i, n in enumerate([3, 11, 1, 6])]
+    steps = 8
+    cache = KVCache.allocate(model, slots=6)
+    last = torch.stack(
+        [gpt2_forward(model, cache, [slot], torch.tensor([ids]))[0] for slot, ids in zip(slots, prompts, strict=True)]
+    )
+    batched_tokens: list[list[int]] = [[] for _ in slots]
+    batched_logits = [last]
+    for _ in range(steps):
+        chosen = last.argmax(dim=-1)
+        for row, token in enumerate(chosen.tolist()):
+            batched_tokens[row].append(token)
+        last = gpt2_forward(model, cache, slots, chosen[:, None])
+        batched_logits.append(last)
+    assert [cache.lengths[s] for s in slots] == [len(p) + steps for p in prompts]
+
+    for row, ids in enumerate(prompts):
+        alone_tokens, alone_logits = decode_alone(model, ids, steps)
+        assert batched_tokens[row] == alone_tokens
+        diff = max((b[row] - a).abs().max().item() for b, a in zip(batched_logits, alone_logits, strict=True))
+        assert diff < TOL
+
+
+def test_reset_slot_does_not_see_the_previous_occupant(
+    reference: tuple[transformers.GPT2LMHeadModel, Path], model: GPT2
+) -> None:
+    """A slot reset to length 0 and refilled with a short prompt attends only to its own tokens.
+
+    It decodes beside a long conversation, so the attention window covers the old occupant's stale entries.
+    """
+    cache = KVCache.allocate(model, slots=2)
+    gpt2_forward(model, cache, [0], torch.tensor([prompt(20, 30)]))
+    gpt2_forward(model, cache, [1], torch.tensor([prompt(21, 25)]))
+    cache.reset(0)
+    assert cache.lengths == [0, 25]
+
+    ids = prompt(22, 4)
+    logits = gpt2_forward(model, cache, [0], torch.tensor([ids]))[0]
+    seq = list(ids)
+    other = gpt2_forward(model, cache, [1], torch.tensor([[5]]))[0]
+    for _ in range(5):
+        assert (logits - hf_logits(reference, seq)[-1]).abs().max().item() < TOL
+        seq.append(int(logits.argmax()))
+        both = gpt2_forward(model, cache, [0, 1], torch.tensor([[seq[-1]], [int(other.argmax())]]))
+        logits, other = both[0], both[1]
+    assert cache.lengths[0] == len(seq)
+
+
+def test_rewind_and_bad_steps(reference: tuple[transformers.GPT2LMHeadModel, Path], model: GPT2) -> None:
+    """A position below the length rewinds the slot; repeated slots and holes past the length are refused."""
+    cache = KVCache.allocate(model, slots=2, max_ctx=16)
+    ids = prompt(30, 10)
+    gpt2_forward(model, cache, [0], torch.tensor([ids]))
+    logits = gpt2_forward(model, cache, [0], torch.tensor([[7, 8]]), positions=[4])[0]
+    assert cache.lengths[0] == 6
+    assert (logits - hf_logits(reference, [*ids[:4], 7, 8])[-1]).abs().max().item() < TOL
+    with pytest.raises(ValueError, match="repeat"):
+        gpt2_forward(model, cache, [0, 0], torch.tensor([[1], [2]]))
+    with pytest.raises(ValueError, match="its length"):
+        gpt2_forward(model, cache, [1], torch.tensor([[1]]), positions=[1])
+    with pytest.raises(ValueError, match="max_ctx"):
+        gpt2_forward(model, cache, [0], torch.tensor([list(range(11))]))
+    assert cache.lengths == [6, 0]
