@@ -53,9 +53,9 @@ def main() -> int:
 
     cases = {
         "SDK: build_request (validate + encode)": lambda: build_request(spec, None, {"X": x}),
-        "SDK: build_request + to_grpc (the protobuf sent)": lambda: build_request(spec, None, {"X": x}).to_grpc(
-            sequence_id=5, sequence_start=True
-        ),
+        "SDK: build_request + to_grpc (a protobuf object; not what is sent)": lambda: build_request(
+            spec, None, {"X": x}
+        ).to_grpc(sequence_id=5, sequence_start=True),
         "SDK: prebuilt request, to_grpc only": lambda: prebuilt.to_grpc(sequence_id=5),
         "SDK: build_request, signature planned (what model.infer does)": lambda: build_request(
             spec, None, {"X": x}, plans=plans

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, Self
 
+from .._errors import UsageError
 from .._wire import InferRequest, InferResult
 
-__all__ = ["Json", "OnSend", "Responses", "Route", "Transport", "server_timeout_us"]
+__all__ = ["Json", "OnSend", "OneResponse", "Responses", "Route", "Transport", "server_timeout_us"]
 
 Json = dict[str, Any]
 
@@ -45,6 +46,35 @@ class Responses(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+class OneResponse:
+    """:class:`Responses` for a request answered exactly once (a unary call): subclasses implement ``_send``."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self) -> None:
+        self._done = False
+
+    async def _send(self) -> InferResult:
+        raise NotImplementedError
+
+    async def single(self) -> InferResult:
+        if self._done:
+            raise UsageError("this request's answer was already read")
+        self._done = True
+        return await self._send()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> InferResult:
+        if self._done:
+            raise StopAsyncIteration
+        return await self.single()
+
+    async def aclose(self) -> None:
+        self._done = True
 
 
 class Transport(Protocol):

@@ -1,16 +1,16 @@
 """gRPC transport: one channel, tritonclient's generated stub and protobufs for every call.
 
-Inference skips tritonclient's per-call work (``InferInput`` objects, re-encoded parameters): an
-:class:`InferRequest` already holds the ``ModelInferRequest`` protobuf. Admin calls go through the same stub on the
-same channel (tritonclient's aio client would open a second channel) and come back as JSON-like dicts, the same
-shape tritonclient's ``as_json=True`` gives, with fields at their protobuf default spelled out.
+Inference skips tritonclient's per-call work (``InferInput`` objects, a request protobuf built per call): it
+sends :meth:`InferRequest.grpc_bytes`, the request's serialised ``ModelInferRequest``. Admin calls go through the
+same stub on the same channel (tritonclient's aio client would open a second channel) and come back as JSON-like
+dicts, the same shape tritonclient's ``as_json=True`` gives, with fields at their protobuf default spelled out.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Self
+from typing import Any, Final
 
 import grpc
 from google.protobuf import json_format
@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from .._errors import ClientClosedError, ConnectError, ServerUnavailable, TritonError, UsageError
 from .._errors._classify import map_error
 from .._wire import InferRequest, InferResult
-from ._base import Json, OnSend, Responses, Route, server_timeout_us
+from ._base import Json, OneResponse, OnSend, Responses, Route, server_timeout_us
 from ._options import TLSConfig
 from ._stream import METHOD, Outgoing, OwnStreamCall, StreamMultiplexer
 
@@ -51,10 +51,10 @@ def _to_dict(message: Any) -> Json:
     )
 
 
-class _UnaryCall:
+class _UnaryCall(OneResponse):
     """One ``ModelInfer`` RPC: the one response, sent when first awaited."""
 
-    __slots__ = ("_done", "_on_send", "_payload", "_request", "_request_id", "_sequence_id", "_timeout_s",
+    __slots__ = ("_on_send", "_payload", "_request", "_request_id", "_sequence_id", "_timeout_s",
                  "_transport")
 
     def __init__(
@@ -67,6 +67,7 @@ class _UnaryCall:
         timeout_s: float | None,
         on_send: OnSend | None,
     ) -> None:
+        super().__init__()
         self._transport = transport
         self._request = request
         self._payload = payload
@@ -74,12 +75,8 @@ class _UnaryCall:
         self._sequence_id = sequence_id
         self._timeout_s = timeout_s
         self._on_send = on_send
-        self._done = False
 
-    async def single(self) -> InferResult:
-        if self._done:
-            raise UsageError("this request's answer was already read")
-        self._done = True
+    async def _send(self) -> InferResult:
         if self._on_send is not None:
             self._on_send()
         transport = self._transport
@@ -96,17 +93,6 @@ class _UnaryCall:
                 sequence_id=self._sequence_id,
             ) from err
         return InferResult.from_grpc(response)
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> InferResult:
-        if self._done:
-            raise StopAsyncIteration
-        return await self.single()
-
-    async def aclose(self) -> None:
-        self._done = True
 
 
 class GrpcTransport:

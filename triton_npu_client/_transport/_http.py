@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any, Final, Self
+from typing import Any, Final
 
 import tritonclient.http.aio as httpclient
 
 from .._errors import ClientClosedError, UsageError
 from .._errors._classify import map_error
 from .._wire import InferRequest, InferResult
-from ._base import Json, OnSend, Responses, Route, server_timeout_us
+from ._base import Json, OneResponse, OnSend, Responses, Route, server_timeout_us
 from ._options import TLSConfig
 
 __all__ = ["DEFAULT_HTTP_CONNECTIONS", "HttpTransport"]
@@ -32,10 +32,10 @@ __all__ = ["DEFAULT_HTTP_CONNECTIONS", "HttpTransport"]
 DEFAULT_HTTP_CONNECTIONS: Final = 1024
 
 
-class _HttpCall:
+class _HttpCall(OneResponse):
     """One HTTP inference request: the one response, sent when first awaited."""
 
-    __slots__ = ("_done", "_kwargs", "_on_send", "_request", "_timeout_s", "_transport")
+    __slots__ = ("_kwargs", "_on_send", "_request", "_timeout_s", "_transport")
 
     def __init__(
         self,
@@ -45,17 +45,14 @@ class _HttpCall:
         on_send: OnSend | None,
         kwargs: dict[str, Any],
     ) -> None:
+        super().__init__()
         self._transport = transport
         self._request = request
         self._timeout_s = timeout_s
         self._on_send = on_send
         self._kwargs = kwargs
-        self._done = False
 
-    async def single(self) -> InferResult:
-        if self._done:
-            raise UsageError("this request's answer was already read")
-        self._done = True
+    async def _send(self) -> InferResult:
         transport = self._transport
         request = self._request
         kwargs = self._kwargs
@@ -83,17 +80,6 @@ class _HttpCall:
         except Exception as err:
             raise transport._mapped(err, ctx) from err
         return InferResult.from_http(result)
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> InferResult:
-        if self._done:
-            raise StopAsyncIteration
-        return await self.single()
-
-    async def aclose(self) -> None:
-        self._done = True
 
 
 class HttpTransport:

@@ -47,8 +47,6 @@ DEFAULT_MAX_PENDING: Final = 8192
 _SEND_QUEUE: Final = 256
 MAX_BUFFERED_RESPONSES: Final = 4096
 
-ModelInferRequest = service_pb2.ModelInferRequest
-ModelInferResponse = service_pb2.ModelInferResponse
 
 
 def is_final(response: Any) -> bool:
