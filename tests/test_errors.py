@@ -13,6 +13,7 @@ from triton_npu_client import (
     ModelNotFoundError,
     PermissionDeniedError,
     RequestTimeout,
+    SequenceBusyError,
     SequenceCapacityError,
     SequenceError,
     SequenceLost,
@@ -78,6 +79,7 @@ def test_grpc_rpc_error_by_code() -> None:
 
 UNKNOWN = "[triton-npu:sequence-unknown] sequence 7 is not held by this instance"
 CAPACITY = "[triton-npu:capacity] model m holds 4096 live sequences"
+BUSY = "[triton-npu:sequence-busy] sequence 9 is busy: its previous step is still streaming"
 
 
 @pytest.mark.parametrize(
@@ -89,6 +91,7 @@ CAPACITY = "[triton-npu:capacity] model m holds 4096 live sequences"
         ("unexpected shape for input 'INPUT0' for model 'm'", InvalidArgumentError),
         (UNKNOWN, SequenceError),
         (CAPACITY, SequenceCapacityError),
+        (BUSY, SequenceBusyError),
         ("Request for unknown model: 'm' is not found", ModelNotFoundError),
         ("something else", InternalServerError),
     ],
@@ -149,6 +152,16 @@ def test_capacity_refusal_same_type_everywhere_and_not_a_loss() -> None:
         assert type(err) is SequenceCapacityError
         verdict = judge_step(err, sequence_id=3, start=True, acknowledged=0)
         assert (verdict.lost, verdict.send_end, verdict.error) == (False, False, err)
+
+
+def test_busy_refusal_same_type_everywhere_and_not_a_loss() -> None:
+    """A step refused because the previous one still streams is one type on every path; the sequence goes on."""
+    for path, status in [("stream", ""), ("grpc", "StatusCode.UNAVAILABLE"), ("http", "503")]:
+        err = _over(path, BUSY, status)
+        assert type(err) is SequenceBusyError
+        for start, acked in ((True, 0), (False, 3)):
+            verdict = judge_step(err, sequence_id=9, start=start, acknowledged=acked)
+            assert (verdict.lost, verdict.send_end, verdict.error) == (False, True, err)
 
 
 def test_loss_signals_but_not_timeouts_become_sequence_lost() -> None:

@@ -24,7 +24,7 @@ from typing import Final
 import attrs
 import grpc
 
-from ..server._markers import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
+from ..server._markers import SEQUENCE_BUSY, SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 from ._exceptions import (
     ConnectError,
     InternalServerError,
@@ -33,6 +33,7 @@ from ._exceptions import (
     ModelNotReadyError,
     PermissionDeniedError,
     RequestTimeout,
+    SequenceBusyError,
     SequenceCapacityError,
     SequenceError,
     SequenceLost,
@@ -50,7 +51,7 @@ STUB_DEAD: Final = "Stub process is not healthy"
 RESTRICTED: Final = "This protocol is restricted"
 _MODEL_GONE: Final = ("is not found", "has no available versions")
 SIGNALS: Final = (MISSING_START, NO_CORRELATION_ID, STUB_DEAD, RESTRICTED, SEQUENCE_UNKNOWN, SEQUENCE_CAPACITY,
-                  *_MODEL_GONE)
+                  SEQUENCE_BUSY, *_MODEL_GONE)
 
 _GRPC: Final[dict[str, type[TritonError]]] = {
     "DEADLINE_EXCEEDED": RequestTimeout,
@@ -197,6 +198,8 @@ def _by_signal(message: str) -> type[TritonError] | None:
         return PermissionDeniedError
     if SEQUENCE_CAPACITY in message:
         return SequenceCapacityError
+    if SEQUENCE_BUSY in message:
+        return SequenceBusyError
     if MISSING_START in message or NO_CORRELATION_ID in message or SEQUENCE_UNKNOWN in message:
         return SequenceError
     if STUB_DEAD in message:

@@ -188,6 +188,13 @@ class SequenceCapacityError(SequenceError):
     """The model refused to START a sequence: it holds its cap of live sequences. Nothing was started; try later."""
 
 
+class SequenceBusyError(SequenceError):
+    """The model refused a step because the sequence's previous step is still streaming; the sequence is intact.
+
+    Steps of one sequence never overlap on the server; send the step again once the previous one has ended.
+    """
+
+
 class InternalServerError(ServerError):
     """Any other server-side failure: the model raised, the stub died, an internal error."""
 

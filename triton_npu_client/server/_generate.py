@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from ._controls import CorrelationId
+from ._markers import SEQUENCE_BUSY
 from ._state import Clock, Refusal
 
 __all__ = ["SEQUENCE_BUSY", "ExitReason", "StepLoop", "StepOutput", "Stream"]
@@ -35,9 +36,6 @@ _log = logging.getLogger("triton_npu_client.server")
 
 J = TypeVar("J")
 
-#: Begins the refusal of a step whose sequence still streams its previous step: same form as the markers
-#: of ``_markers``, so a client can tell it apart over the stream, where an error is only its text.
-SEQUENCE_BUSY = "[triton-npu:sequence-busy]"
 DEFAULT_BUSY_GRACE_S = 0.5
 _BUSY_POLL_S = 0.02
 

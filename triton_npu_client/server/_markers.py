@@ -9,7 +9,7 @@ position: a server or proxy may prefix the text.
 This module imports nothing, so the client can read it without the toolkit's numpy or torch.
 """
 
-__all__ = ["MARKERS", "SEQUENCE_CAPACITY", "SEQUENCE_UNKNOWN", "marker_in"]
+__all__ = ["MARKERS", "SEQUENCE_BUSY", "SEQUENCE_CAPACITY", "SEQUENCE_UNKNOWN", "marker_in"]
 
 #: A non-START step for a sequence this model instance does not hold (never started, ended, swept
 #: after idling, or its START was refused): the sequence's state is gone; start a new one.
@@ -19,7 +19,11 @@ SEQUENCE_UNKNOWN = "[triton-npu:sequence-unknown]"
 #: Sent with Triton's UNAVAILABLE status where the transport carries one.
 SEQUENCE_CAPACITY = "[triton-npu:capacity]"
 
-MARKERS = (SEQUENCE_UNKNOWN, SEQUENCE_CAPACITY)
+#: A step refused because the previous step of its sequence is still streaming (steps of one sequence never
+#: overlap): the sequence is intact; send the step again once the previous one has ended.
+SEQUENCE_BUSY = "[triton-npu:sequence-busy]"
+
+MARKERS = (SEQUENCE_UNKNOWN, SEQUENCE_CAPACITY, SEQUENCE_BUSY)
 
 
 def marker_in(text: str) -> str | None:
