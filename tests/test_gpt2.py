@@ -143,12 +143,16 @@ def test_prefill_then_greedy_decode_matches_transformers_and_keeps_the_cache_in_
     assert [t.shape for t in (*cache.keys, *cache.values)] == shapes
 
 
-@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [5, 2, 0, 3]], ids=["consecutive", "scattered"])
+# The three ways attention reads the cache in place: one view of consecutive slots, one view of a range at most
+# twice the batch (padding rows), one view per row for slots spread wider.
+@pytest.mark.parametrize(
+    "slots", [[0, 1, 2, 3], [5, 2, 0, 3], [0, 9, 17, 30]], ids=["consecutive", "scattered", "spread"]
+)
 def test_batched_decode_equals_each_slot_decoded_alone(model: GPT2, slots: list[int]) -> None:
     """Four slots with different prompt lengths, one batched step per token, give each slot's solo tokens and logits."""
     prompts = [prompt(10 + i, n) for i, n in enumerate([3, 11, 1, 6])]
     steps = 8
-    cache = KVCache.allocate(model, slots=6)
+    cache = KVCache.allocate(model, slots=32)
     last = torch.stack(
         [gpt2_forward(model, cache, [slot], torch.tensor([ids]))[0] for slot, ids in zip(slots, prompts, strict=True)]
     )

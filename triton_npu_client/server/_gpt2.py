@@ -241,16 +241,60 @@ def _gelu(x: torch.Tensor, activation: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if activation in _TANH_GELU else "none")
 
 
-def _gather_slots(block: torch.Tensor, slots: Sequence[int], index: torch.Tensor, width: int) -> torch.Tensor:
-    """The rows ``slots`` of a cache block, cut to the first ``width`` positions.
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: Sequence[int],
+    slot_index: torch.Tensor,
+    starts: Sequence[int],
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``q`` [rows, heads, T, dim] over the cached keys and values of each row's slot.
 
-    Consecutive ascending slots (a batcher filling slots 0..B-1, or a single-slot prefill) come back as
-    a view, with no copy; any other set is gathered, which copies only the ``width`` positions in use.
+    The history is read in place, never copied: attention takes a *view* of the cache block.
+    - Consecutive ascending slots (a batch filling slots 0..B-1, a one-slot prefill): one view of
+      those slots.
+    - Slots spread over a range at most twice the batch: one view of the whole range. The rows of
+      slots outside the batch are padding: their queries are zeros, they may see their position 0
+      only (so no softmax row is empty), and their output is dropped. Wasted work is bounded by the
+      batch's own.
+    - Slots spread wider: one attention call per row on that slot's own view.
+    Returns [rows, heads, T, dim] in the order of ``slots``.
     """
-    first = slots[0]
-    if list(slots) == list(range(first, first + len(slots))):
-        return block[first : first + len(slots), :, :width]
-    return block[:, :, :width].index_select(0, index)
+    import torch
+    import torch.nn.functional as F
+
+    rows, steps = int(q.shape[0]), int(q.shape[2])
+    width = int(mask.shape[-1])
+    first, last = min(slots), max(slots)
+    span = last - first + 1
+    if list(slots) == list(range(first, first + rows)):
+        return F.scaled_dot_product_attention(
+            q, keys[first : last + 1, :, :width], values[first : last + 1, :, :width], attn_mask=mask, scale=scale
+        )
+    if span <= 2 * rows:
+        index = slot_index - first
+        q_span = q.new_zeros((span, *q.shape[1:])).index_copy_(0, index, q)
+        mask_span = torch.zeros((span, 1, steps, width), dtype=torch.bool, device=q.device)
+        mask_span[:, :, :, 0] = True
+        mask_span.index_copy_(0, index, mask)
+        out = F.scaled_dot_product_attention(
+            q_span, keys[first : last + 1, :, :width], values[first : last + 1, :, :width], attn_mask=mask_span,
+            scale=scale,
+        )
+        return out.index_select(0, index)
+    pieces: list[torch.Tensor] = []
+    for row, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+        end = start + steps
+        pieces.append(
+            F.scaled_dot_product_attention(
+                q[row : row + 1], keys[slot : slot + 1, :, :end], values[slot : slot + 1, :, :end],
+                attn_mask=mask[row : row + 1, :, :, :end], scale=scale,
+            )
+        )
+    return torch.cat(pieces)
 
 
 def forward(
@@ -323,12 +367,9 @@ def forward(
         # In place, only the new positions: the history already in the cache is never copied or moved.
         keys[write_slot, :, pos] = k
         values[write_slot, :, pos] = v
-        attended = F.scaled_dot_product_attention(
+        attended = _attend(
             q.transpose(1, 2),  # [rows, heads, T, dim]
-            _gather_slots(keys, slots, slot_index, width),
-            _gather_slots(values, slots, slot_index, width),
-            attn_mask=mask,
-            scale=1.0 / math.sqrt(head_dim),
+            keys, values, slots, slot_index, starts, mask, 1.0 / math.sqrt(head_dim),
         )
         attended = attended.transpose(1, 2).reshape(-1, config.n_embd)
         x = x + torch.addmm(layer.attn_proj_bias, attended, layer.attn_proj_weight).view(rows, steps, -1)
