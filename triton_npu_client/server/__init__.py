@@ -7,6 +7,8 @@ use it. torch is imported lazily, and only for an instance that may use an accel
 The one pb_utils-facing piece, :class:`RunningStatsModel`, takes that module as an argument.
 """
 
+from ._chat import ChatEngine, ChatMessage, ChatResponse, ChatTokenizer, ChatTurn, TurnOptions
+from ._chat_model import ChatModel
 from ._config import SequenceBatching, model_parameter, parse_model_config
 from ._controls import FLAG_END, FLAG_START, SequenceControls, read_controls
 from ._device import (
@@ -32,6 +34,12 @@ __all__ = [
     "SEQUENCE_BUSY",
     "Accelerators",
     "BatchPlan",
+    "ChatEngine",
+    "ChatMessage",
+    "ChatModel",
+    "ChatResponse",
+    "ChatTokenizer",
+    "ChatTurn",
     "DeviceChoice",
     "ExitReason",
     "GPT2",
@@ -48,6 +56,7 @@ __all__ = [
     "StepLoop",
     "StepOutput",
     "Stream",
+    "TurnOptions",
     "accelerator_possible",
     "activate",
     "choose_device",

@@ -73,13 +73,23 @@ class SequenceSlots:
     next step Triton accepted just inside its own timeout but has not yet handed to us.
     """
 
-    def __init__(self, *, capacity: int, idle_timeout_s: float, grace_s: float = 0.5, clock: Clock = time.monotonic):
+    def __init__(
+        self,
+        *,
+        capacity: int,
+        idle_timeout_s: float,
+        grace_s: float = 0.5,
+        clock: Clock = time.monotonic,
+        capacity_note: str = "parameter max_sequences",
+    ):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.idle_timeout_s = idle_timeout_s
         self.grace_s = grace_s
         self._clock = clock
+        # What sets the cap, for the refusal message (a count parameter, or a memory budget).
+        self.capacity_note = capacity_note
         self._slot: dict[CorrelationId, int] = {}
         # Least recently seen first: every touch moves a sequence to the end, so with a monotonic clock
         # the times only grow along the order and the sweep stops at the first sequence not yet idle.
@@ -100,6 +110,10 @@ class SequenceSlots:
 
     def slot_of(self, key: CorrelationId) -> int | None:
         return self._slot.get(key)
+
+    def held(self) -> dict[CorrelationId, int]:
+        """Every live sequence and its slot (a copy)."""
+        return dict(self._slot)
 
     def sweep(self, *, keep: Iterable[CorrelationId] = ()) -> list[CorrelationId]:
         """Free every sequence idle longer than the timeout plus grace (except ``keep``); return them."""
@@ -180,7 +194,7 @@ class SequenceSlots:
                         errors[row] = Refusal(
                             reason="capacity",
                             message=f"{SEQUENCE_CAPACITY} sequence {key!r} refused: this model instance already "
-                            f"holds its cap of {self.capacity} live sequences (parameter max_sequences); "
+                            f"holds its cap of {self.capacity} live sequences ({self.capacity_note}); "
                             "retry later or end other sequences",
                         )
                         continue

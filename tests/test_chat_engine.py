@@ -1,0 +1,414 @@
+"""The chat engine (triton_npu_client.server.ChatEngine) driven pass by pass, without Triton.
+
+A random tiny GPT-2 and a byte-level BPE trained here on a few sentences stand in for the demo model: the
+properties tested (cache exactness, batching, rollback, overflow, stops, sampling, freeing) hold for any
+weights. The engine runs inside a StepLoop with ``start=False``; fake senders record the responses. The same
+engine inside a real Triton is tested in test_chat_model.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from triton_npu_client.server import (
+    GPT2,
+    ChatEngine,
+    ChatMessage,
+    ChatResponse,
+    ChatTokenizer,
+    ChatTurn,
+    KVCache,
+    SequenceSlots,
+    StepLoop,
+    load_gpt2,
+)
+from triton_npu_client.server._chat import _byte_alphabet, _find_stop, _held_back, kv_bytes_per_position
+
+FINAL = 1
+SPECIAL = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+SENTENCES = [
+    "The cat sat on the mat and looked at the sea.",
+    "A quiet morning came over the hills, and the river ran cold.",
+    "She said that the road was long, but the day was longer still.",
+    "Naïve café owners serve crème brûlée — 日本語 and emoji 🙂 too.",
+    "Where are you going? I am going home, to the old stone house.",
+]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Sender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, int]] = []
+        self.cancel = False
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        assert not self.done, "nothing may follow the final flag"
+        self.sent.append((response, flags))
+
+    def is_cancelled(self) -> bool:
+        return self.cancel
+
+    @property
+    def done(self) -> bool:
+        return any(f & FINAL for _, f in self.sent)
+
+    @property
+    def responses(self) -> list[Any]:
+        return [r for r, _ in self.sent if r is not None]
+
+    @property
+    def chat(self) -> list[ChatResponse]:
+        return [r for r in self.responses if isinstance(r, ChatResponse)]
+
+    @property
+    def reply(self) -> bytes:
+        return b"".join(r.piece for r in self.chat)
+
+    @property
+    def last(self) -> ChatResponse:
+        return self.chat[-1]
+
+    @property
+    def refusal(self) -> Any:
+        return next((r for r in self.responses if isinstance(r, tuple)), None)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny GPT-2 plus a byte-level BPE with the chat template's special tokens, in one folder."""
+    folder = tmp_path_factory.mktemp("chat_ckpt")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=360, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(SENTENCES * 20, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    torch.manual_seed(99)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=tok.get_vocab_size(), n_positions=256, initializer_range=0.3
+    )
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+_LOADED: dict[Path, GPT2] = {}
+
+
+def _load(checkpoint: Path) -> GPT2:
+    # The weights are read-only: every rig may share one loaded copy (each has its own cache).
+    if checkpoint not in _LOADED:
+        _LOADED[checkpoint] = load_gpt2(checkpoint)
+    return _LOADED[checkpoint]
+
+
+class Rig:
+    """An engine in a pass-by-pass StepLoop, with helpers to run turns to their end."""
+
+    def __init__(self, checkpoint: Path, *, slots: int = 8, max_ctx: int = 256, default_max_tokens: int = 12) -> None:
+        self.clock = FakeClock()
+        model = _load(checkpoint)
+        self.tokenizer = ChatTokenizer(checkpoint)
+        self.cache = KVCache.allocate(model, slots=slots, max_ctx=max_ctx)
+        self.slots = SequenceSlots(capacity=slots, idle_timeout_s=5.0, grace_s=0.5, clock=self.clock)
+        self.engine = ChatEngine(
+            model,
+            self.tokenizer,
+            self.cache,
+            self.slots,
+            respond=lambda r: r,
+            refuse=lambda kind, message: (kind, message),
+            default_max_tokens=default_max_tokens,
+        )
+        self.loop: StepLoop[ChatTurn] = StepLoop(
+            step=self.engine.step,
+            admit=self.engine.admit,
+            on_exit=self.engine.on_exit,
+            final_flag=FINAL,
+            error_response=lambda message: ("error", message),
+            clock=self.clock,
+            start=False,
+        )
+        self.started: set[int] = set()
+
+    def submit(self, key: int, roles: Sequence[str] = (), texts: Sequence[str] = (), *, end: bool = False,
+               start: bool | None = None, **options: Any) -> Sender:
+        if start is None:
+            start = key not in self.started
+        self.started.add(key)
+        turn = self.engine.parse(start=start, end=end, roles=list(roles) or None, texts=list(texts) or None,
+                                 **options)
+        sender = Sender()
+        assert self.loop.submit(key, sender, turn) is None
+        return sender
+
+    def run(self, *senders: Sender, passes: int = 10_000) -> None:
+        for _ in range(passes):
+            if all(s.done for s in senders):
+                return
+            self.loop.run_pass()
+        raise AssertionError("turns did not finish")
+
+    def turn(self, key: int, roles: Sequence[str], texts: Sequence[str], **options: Any) -> Sender:
+        sender = self.submit(key, roles, texts, **options)
+        self.run(sender)
+        assert sender.refusal is None, sender.refusal
+        return sender
+
+
+def text(sender: Sender) -> str:
+    return sender.reply.decode("utf-8", errors="replace")
+
+
+def test_tokenizer_bytes_and_template(checkpoint: Path) -> None:
+    """Every token has its raw bytes (so pieces never need a decode); a message is <|role|> text <|end|>."""
+    tok = ChatTokenizer(checkpoint)
+    sample = SENTENCES[3]
+    ids = tok.encode(sample)
+    assert tok.decode(ids) == sample.encode("utf-8")
+    assert [tok.token_bytes[tok.end_id], tok.token_bytes[tok.role_ids["user"]]] == [b"", b""]
+    message = tok.encode_message(ChatMessage("user", "hi there"))
+    assert message == [tok.role_ids["user"], *tok.encode("hi there"), tok.end_id]
+    assert len(set(_byte_alphabet().values())) == 256
+
+
+def test_turn_three_equals_the_history_sent_as_a_first_turn(checkpoint: Path) -> None:
+    """The KV cache is exact: turn 3's greedy reply equals a fresh conversation's first turn given the history."""
+    rig = Rig(checkpoint)
+    questions = ["Where are you going?", "The cat sat on the mat.", "A quiet morning came."]
+    messages = [("system", "You are a river.")]
+    replies = []
+    for i, q in enumerate(questions):
+        first = i == 0
+        roles = ["system", "user"] if first else ["user"]
+        texts = ["You are a river.", q] if first else [q]
+        sender = rig.turn(1, roles, texts)
+        replies.append(sender)
+        messages.append(("user", q))
+        if i < len(questions) - 1:
+            messages.append(("assistant", text(sender)))
+    fresh = rig.turn(2, [r for r, _ in messages], [t for _, t in messages])
+    assert fresh.reply == replies[2].reply
+    assert fresh.last.tokens == replies[2].last.tokens > 0
+    # Turn 3 prefilled only what was new; the fresh conversation prefilled everything.
+    assert replies[2].last.prompt_tokens < fresh.last.prompt_tokens
+    assert replies[2].last.context_tokens == fresh.last.context_tokens
+
+
+def test_batched_conversations_equal_each_alone_and_never_mix(checkpoint: Path) -> None:
+    """Six conversations with distinct system prompts decoded together give each one's solo reply, twice over."""
+    systems = [f"You are number {i}. {SENTENCES[i % len(SENTENCES)]}" for i in range(6)]
+    alone = []
+    for system in systems:
+        rig = Rig(checkpoint)
+        first = rig.turn(1, ["system", "user"], [system, "Where are you going?"])
+        second = rig.turn(1, ["user"], ["And then?"])
+        alone.append((first.reply, second.reply))
+    rig = Rig(checkpoint)
+    firsts = [rig.submit(10 + i, ["system", "user"], [s, "Where are you going?"]) for i, s in enumerate(systems)]
+    rig.run(*firsts)
+    seconds = [rig.submit(10 + i, ["user"], ["And then?"]) for i in range(len(systems))]
+    rig.run(*seconds)
+    assert [(f.reply, s.reply) for f, s in zip(firsts, seconds, strict=True)] == alone
+    assert rig.engine.decode_passes < rig.engine.rows_decoded  # rows really shared passes
+    # Distinct prompts give distinct replies here, so equality above is not a coincidence of a constant output.
+    assert len({a for a, _ in alone}) > 1
+
+
+def test_a_turn_arriving_mid_generation_joins_the_running_batch(checkpoint: Path) -> None:
+    """A second conversation admitted while the first generates is decoded in the same passes, and both stay exact."""
+    solo = Rig(checkpoint)
+    want_a = solo.turn(1, ["user"], ["The cat sat on the mat."], max_tokens=20).reply
+    want_b = solo.turn(2, ["user"], ["Where are you going?"], max_tokens=20).reply
+    rig = Rig(checkpoint)
+    a = rig.submit(1, ["user"], ["The cat sat on the mat."], max_tokens=20)
+    for _ in range(4):
+        rig.loop.run_pass()
+    b = rig.submit(2, ["user"], ["Where are you going?"], max_tokens=20)
+    passes_before = rig.engine.decode_passes
+    rig.run(a, b)
+    assert (a.reply, b.reply) == (want_a, want_b)
+    assert rig.engine.rows_decoded - rig.engine.decode_passes > 0
+    assert rig.engine.decode_passes > passes_before
+
+
+def test_a_cancelled_turn_is_rolled_back(checkpoint: Path) -> None:
+    """Cancelled mid-reply, a turn leaves no trace: the next turn equals one in a conversation that never had it."""
+    rig = Rig(checkpoint)
+    rig.turn(1, ["system", "user"], ["Be brief.", "The cat sat on the mat."])
+    cancelled = rig.submit(1, ["user"], ["Where are you going?"], max_tokens=40)
+    while len(cancelled.chat) < 2:
+        rig.loop.run_pass()
+    cancelled.cancel = True
+    rig.run(cancelled)
+    assert cancelled.chat[-1].finish == ""  # it never finished: the loop stopped it
+    after = rig.turn(1, ["user"], ["A quiet morning came."])
+
+    ref = Rig(checkpoint)
+    first = ref.turn(1, ["system", "user"], ["Be brief.", "The cat sat on the mat."])
+    want = ref.turn(1, ["user"], ["A quiet morning came."])
+    assert after.reply == want.reply
+    assert after.last.context_tokens == want.last.context_tokens
+    assert first.reply  # the shared first turn produced something
+
+
+def test_context_overflow_drops_the_oldest_turns_and_keeps_the_system_message(checkpoint: Path) -> None:
+    """Past the context, the oldest messages go (system kept), the reply equals a fresh conversation of what is kept."""
+    rig = Rig(checkpoint, max_ctx=96, default_max_tokens=10)
+    system = "Be brief."
+    kept: list[tuple[str, str]] = [("system", system)]
+    dropped_total = 0
+    last = None
+    for i in range(8):
+        q = SENTENCES[i % len(SENTENCES)]
+        roles, texts = (["system", "user"], [system, q]) if i == 0 else (["user"], [q])
+        last = rig.turn(1, roles, texts)
+        dropped_total += last.last.dropped
+        assert last.last.context_tokens <= 96
+        kept.append(("user", q))
+        if last.last.dropped:
+            # The oldest non-system messages went, the system message stayed.
+            del kept[1 : 1 + last.last.dropped]
+        kept.append(("assistant", text(last)))
+    assert dropped_total > 0
+    assert last is not None
+    # The conversation now is exactly the kept messages: a fresh one given them (minus the last reply) agrees.
+    history = kept[:-1]
+    fresh = Rig(checkpoint, max_ctx=96, default_max_tokens=10).turn(
+        5, [r for r, _ in history], [t for _, t in history]
+    )
+    assert fresh.reply == last.reply
+    assert kept[0] == ("system", system)
+
+
+def test_a_turn_longer_than_the_context_is_refused_clearly(checkpoint: Path) -> None:
+    rig = Rig(checkpoint, max_ctx=64)
+    sender = rig.submit(1, ["user"], [" ".join(SENTENCES)])
+    rig.run(sender)
+    kind, message = sender.refusal
+    assert kind == "invalid"
+    assert "context holds 64" in message
+    # The conversation survives the refusal: a short turn works.
+    assert rig.turn(1, ["user"], ["Hi."], start=False).last.finish in ("stop", "length")
+
+
+def test_max_tokens_stop_strings_and_held_back_bytes(checkpoint: Path) -> None:
+    """MAX_TOKENS ends with 'length'; a stop string cuts the reply before it, and no piece ever carries part of it."""
+    rig = Rig(checkpoint)
+    free = rig.turn(1, ["user"], ["Where are you going?"], max_tokens=16)
+    assert free.last.finish in ("length", "stop")
+    full = free.reply
+    assert len(full) >= 6, full
+    stop = full[3:6].decode("latin-1")  # any 3 bytes from the middle: the reply must end before them
+    stop_bytes = full[3:6]
+    cut = rig.turn(2, ["user"], ["Where are you going?"], max_tokens=16, stop=[stop_bytes, b"\x00never"])
+    assert stop  # a non-empty stop string
+    assert cut.last.finish == "stop_string"
+    assert cut.reply == full[: full.find(stop_bytes)]
+    assert all(stop_bytes not in r.piece for r in cut.chat)
+    short = rig.turn(3, ["user"], ["Where are you going?"], max_tokens=3)
+    assert (short.last.finish, short.last.tokens) in {("length", 3), ("stop", short.last.tokens)}
+
+
+def test_stop_helpers() -> None:
+    assert _find_stop(bytearray(b"hello world"), [b"wor", b"lo"], 0) == 3
+    assert _find_stop(bytearray(b"hello"), [b"xyz"], 0) is None
+    assert _held_back(bytearray(b"hello wo"), [b"world"]) == 2
+    assert _held_back(bytearray(b"hello"), [b"world"]) == 0
+
+
+def test_sampling_is_reproducible_with_a_seed(checkpoint: Path) -> None:
+    rig = Rig(checkpoint)
+    runs = [
+        rig.turn(key, ["user"], ["The cat sat on the mat."], temperature=1.2, top_k=50, top_p=0.95, seed=seed,
+                 max_tokens=20).reply
+        for key, seed in [(1, 7), (2, 7), (3, 8)]
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    greedy = rig.turn(4, ["user"], ["The cat sat on the mat."], max_tokens=20).reply
+    assert greedy != runs[0]
+
+
+def test_end_frees_the_cache_and_the_cap_refuses_clearly(checkpoint: Path) -> None:
+    """KV bytes grow with each conversation and drop to 0 on END; past the cap a START is refused with the cap."""
+    rig = Rig(checkpoint, slots=2)
+    a = rig.turn(1, ["user"], ["Hi."])
+    b = rig.turn(2, ["user"], ["Hello."])
+    assert b.last.live == 2
+    assert b.last.kv_bytes > a.last.kv_bytes > 0
+    third = rig.submit(3, ["user"], ["Hey."])
+    rig.run(third)
+    kind, message = third.refusal
+    assert kind == "capacity"
+    assert "cap of 2" in message
+    close = rig.submit(1, end=True)
+    rig.run(close)
+    assert (close.last.finish, close.last.live) == ("closed", 1)
+    assert close.last.kv_bytes == b.last.kv_bytes - a.last.kv_bytes
+    last = rig.turn(2, ["user"], ["Bye."], end=True)
+    assert last.last.finish in ("stop", "length")
+    assert (rig.engine.live, rig.engine.kv_bytes) == (0, 0)
+
+
+def test_the_idle_sweep_frees_the_cache(checkpoint: Path) -> None:
+    rig = Rig(checkpoint)
+    rig.turn(1, ["user"], ["Hi."])
+    held = rig.engine.kv_bytes
+    assert held > 0
+    rig.clock.now += 5.0 + 0.5 + 1.0  # past idle timeout + grace
+    probe = rig.turn(2, ["user"], ["Hello."])
+    assert probe.last.live == 1
+    # Only the probe's own positions are held now: the swept conversation's are gone.
+    own = probe.last.context_tokens * kv_bytes_per_position(rig.engine.model)
+    assert probe.last.kv_bytes == own
+    late = rig.submit(1, ["user"], ["Still there?"], start=False)
+    rig.run(late)
+    kind, message = late.refusal
+    assert kind == "unknown"
+    assert "[triton-npu:sequence-unknown]" in message
+
+
+@pytest.mark.parametrize(
+    ("inputs", "needle"),
+    [
+        ({"roles": ["user", "user"], "texts": ["a"]}, "ROLE has 2 entries but TEXT has 1"),
+        ({"roles": ["user", "assistant"], "texts": ["a", "b"]}, "last message of a turn must have ROLE user"),
+        ({"roles": ["robot"], "texts": ["a"]}, "ROLE[0] must be one of"),
+        ({"roles": ["user"], "texts": [b"\xff"]}, "TEXT[0] is not valid UTF-8"),
+        ({"roles": ["user"], "texts": ["a"], "max_tokens": 0}, "MAX_TOKENS must be >= 1, got 0"),
+        ({"roles": ["user"], "texts": ["a"], "top_p": 0.0}, "TOP_P must be in (0, 1], got 0.0"),
+        ({"roles": ["user"], "texts": ["a"], "temperature": -1.0}, "TEMPERATURE must be >= 0"),
+        ({"roles": None, "texts": None}, "a turn needs ROLE and TEXT"),
+    ],
+)
+def test_bad_requests_name_the_input(checkpoint: Path, inputs: dict[str, Any], needle: str) -> None:
+    rig = Rig(checkpoint)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        rig.engine.parse(start=True, end=False, **inputs)
+
+
+def test_keys_are_independent(checkpoint: Path) -> None:
+    """Conversations on reused slots never see a previous occupant: after END, a new one equals a first one."""
+    rig = Rig(checkpoint, slots=1)
+    first = rig.turn(1, ["system", "user"], ["Alpha.", "Where are you going?"], end=True)
+    keys = itertools.count(2)
+    again = rig.turn(next(keys), ["system", "user"], ["Alpha.", "Where are you going?"])
+    assert again.reply == first.reply

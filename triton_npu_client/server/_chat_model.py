@@ -1,0 +1,205 @@
+"""The chat model inside Triton's Python stub: reads requests, hands turns to a StepLoop running a ChatEngine.
+
+``server_models/chat`` (sequence batching: the conversation lives on the server) and
+``server_models/chat_stateless`` (no sequence batching: each request carries a whole conversation, the
+baseline a stateless server gives) are both this class. ``execute`` only parses each request into a turn
+and hands its response sender to the loop; everything else runs on the loop's thread (see ``_chat``).
+
+Config ``parameters`` read: ``checkpoint`` (folder of config.json, model.safetensors, tokenizer.json,
+relative to the model's folder; default ``demo_gpt2``), ``max_ctx`` (positions per conversation; default
+the model's n_positions), ``max_sequences`` and ``max_cache_mb`` (the two caps on live conversations: the
+cache is preallocated for the smaller), ``default_max_tokens``, ``device`` / ``device_ids`` (see
+``_device``), ``cpu_threads`` (torch threads on a CPU instance), ``sweep_grace_us``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._chat import ChatEngine, ChatResponse, ChatTokenizer, RefusalKind, kv_bytes_per_position
+from ._config import SequenceBatching, model_parameter, parse_model_config
+from ._controls import CorrelationId, read_controls
+from ._device import (
+    Accelerators,
+    accelerator_possible,
+    activate,
+    choose_instance_device,
+    parse_device_ids,
+    probe_accelerators,
+)
+from ._generate import StepLoop
+from ._gpt2 import KVCache, load_gpt2
+from ._state import SequenceSlots
+
+__all__ = ["ChatModel"]
+
+_log = logging.getLogger("triton_npu_client.server")
+
+OPTION_INPUTS = ("MAX_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED")
+
+
+class ChatModel:
+    """A chat model instance; ``pb`` is ``triton_python_backend_utils``. See the module docstring."""
+
+    def __init__(self, args: Mapping[str, str], pb: Any) -> None:
+        self._pb = pb
+        self._final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        config = parse_model_config(args["model_config"])
+        self._batching = SequenceBatching.from_model_config(config) if config.get("sequence_batching") else None
+
+        def param(key: str, default: str) -> str:
+            return model_parameter(config, key) or default
+
+        force = model_parameter(config, "device")
+        host_only = (force or "").strip().lower() == "cpu" or not accelerator_possible()
+        choice = choose_instance_device(
+            args,
+            available=Accelerators() if host_only else probe_accelerators(),
+            device_ids=parse_device_ids(model_parameter(config, "device_ids")),
+            force=force,
+        )
+        threads = int(param("cpu_threads", "2"))
+        device = activate(choice, cpu_threads=threads)
+        checkpoint = Path(args["model_repository"]) / param("checkpoint", "demo_gpt2")
+        model = load_gpt2(checkpoint, device=device)
+        tokenizer = ChatTokenizer(checkpoint)
+
+        max_ctx = int(param("max_ctx", str(model.config.n_positions)))
+        max_sequences = int(param("max_sequences", "64"))
+        max_cache_mb = float(param("max_cache_mb", "1024"))
+        per_conversation = max_ctx * kv_bytes_per_position(model)
+        capacity = min(max_sequences, int(max_cache_mb * 2**20 // per_conversation))
+        if capacity < 1:
+            raise ValueError(
+                f"max_cache_mb={max_cache_mb:g} holds no conversation: one takes "
+                f"{per_conversation / 2**20:.1f} MiB at max_ctx {max_ctx}"
+            )
+        note = (
+            f"parameters max_sequences={max_sequences} and max_cache_mb={max_cache_mb:g}, "
+            f"{per_conversation / 2**20:.1f} MiB of KV cache per conversation at max_ctx {max_ctx}"
+        )
+        # Stateless: every request starts and ends its conversation, so nothing ever idles.
+        idle_s = self._batching.idle_timeout_s if self._batching else 3600.0
+        grace_us = int(param("sweep_grace_us", "500000"))
+        slots = SequenceSlots(capacity=capacity, idle_timeout_s=idle_s, grace_s=grace_us / 1e6, capacity_note=note)
+        cache = KVCache.allocate(model, slots=capacity, max_ctx=max_ctx)
+        self.engine = ChatEngine(
+            model,
+            tokenizer,
+            cache,
+            slots,
+            respond=self._respond,
+            refuse=self._refuse,
+            default_max_tokens=int(param("default_max_tokens", "64")),
+            # Device context is per thread: the loop's thread makes the instance's device current too.
+            on_thread=lambda: _activate(choice, threads),
+        )
+        self._keys = itertools.count(1)
+        self._control_names = () if self._batching is None else tuple(self._batching.control_inputs.values())
+        self._loop = StepLoop(
+            step=self.engine.step,
+            admit=self.engine.admit,
+            on_exit=self.engine.on_exit,
+            final_flag=self._final,
+            error_response=self._error,
+            name=args.get("model_instance_name", "chat"),
+        )
+        _log.info(
+            "%s on %s: %d conversations of up to %d tokens (%s), %s",
+            args.get("model_instance_name"),
+            device,
+            capacity,
+            max_ctx,
+            note,
+            "stateless" if self._batching is None else f"idle timeout {idle_s:g} s",
+        )
+
+    def execute(self, requests: list[Any]) -> None:
+        pb = self._pb
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                key: CorrelationId
+                if self._batching is None:
+                    key, start, end = next(self._keys), True, True
+                else:
+                    tensors = {
+                        name: None if (t := pb.get_input_tensor_by_name(request, name)) is None else t.as_numpy()
+                        for name in self._control_names
+                    }
+                    controls = read_controls(
+                        self._batching, correlation_id=request.correlation_id(), flags=request.flags(), tensors=tensors
+                    )
+                    if not controls.ready:
+                        sender.send(flags=self._final)
+                        continue
+                    key, start, end = controls.correlation_id, controls.start, controls.end
+                options = {name.lower(): self._scalar(request, name) for name in OPTION_INPUTS}
+                turn = self.engine.parse(
+                    start=start,
+                    end=end,
+                    roles=self._strings(request, "ROLE"),
+                    texts=self._strings(request, "TEXT"),
+                    stop=self._strings(request, "STOP") or (),
+                    **options,
+                )
+            except ValueError as err:
+                sender.send(self._error(str(err), pb.TritonError.INVALID_ARG), flags=self._final)
+                continue
+            refusal = self._loop.submit(key, sender, turn)
+            if refusal is not None:
+                sender.send(self._error(refusal.message, pb.TritonError.UNAVAILABLE), flags=self._final)
+
+    def finalize(self) -> None:
+        self._loop.close()
+
+    def _error(self, message: str, code: Any = None) -> Any:
+        pb = self._pb
+        error = pb.TritonError(message) if code is None else pb.TritonError(message, code)
+        return pb.InferenceResponse(output_tensors=[], error=error)
+
+    def _refuse(self, kind: RefusalKind, message: str) -> Any:
+        errors = self._pb.TritonError
+        return self._error(message, errors.UNAVAILABLE if kind == "capacity" else errors.INVALID_ARG)
+
+    def _respond(self, r: ChatResponse) -> Any:
+        pb = self._pb
+
+        def one(name: str, value: object, dtype: Any) -> Any:
+            return pb.Tensor(name, np.array([[value]], dtype=dtype))
+
+        return pb.InferenceResponse(
+            output_tensors=[
+                one("PIECE", r.piece, np.object_),
+                one("FINISH", r.finish.encode(), np.object_),
+                one("TOKENS", r.tokens, np.int32),
+                one("PROMPT_TOKENS", r.prompt_tokens, np.int32),
+                one("CONTEXT_TOKENS", r.context_tokens, np.int32),
+                one("DROPPED", r.dropped, np.int32),
+                one("LIVE", r.live, np.int32),
+                one("KV_BYTES", r.kv_bytes, np.int64),
+            ]
+        )
+
+    def _strings(self, request: Any, name: str) -> list[bytes] | None:
+        tensor = self._pb.get_input_tensor_by_name(request, name)
+        return None if tensor is None else list(tensor.as_numpy().reshape(-1))
+
+    def _scalar(self, request: Any, name: str) -> Any:
+        tensor = self._pb.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            return None
+        flat = tensor.as_numpy().reshape(-1)
+        if flat.size != 1:
+            raise ValueError(f"input {name!r} must hold one value, got {flat.size}")
+        return flat[0].item()
+
+
+def _activate(choice: Any, threads: int) -> None:
+    activate(choice, cpu_threads=threads)
