@@ -327,6 +327,23 @@ def test_max_tokens_stop_strings_and_held_back_bytes(checkpoint: Path) -> None:
     assert (short.last.finish, short.last.tokens) in {("length", 3), ("stop", short.last.tokens)}
 
 
+def test_min_tokens_keeps_a_reply_from_ending_early(checkpoint: Path) -> None:
+    """Below MIN_TOKENS the end and role tokens are never chosen, even when they score highest; from it on, they are."""
+    rig = Rig(checkpoint)
+    engine = rig.engine
+    vocab = engine.model.config.vocab_size
+    logits = torch.zeros(2, vocab)
+    logits[:, engine.tokenizer.end_id] = 10.0
+    logits[:, engine.tokenizer.role_ids["user"]] = 9.0
+    logits[:, 42] = 1.0
+    early = engine.parse(start=True, end=False, roles=["user"], texts=["a"], max_tokens=8, min_tokens=3)
+    due = engine.parse(start=True, end=False, roles=["user"], texts=["a"], max_tokens=8, min_tokens=3)
+    early.reply_ids = [5, 6]
+    due.reply_ids = [5, 6, 7]
+    assert engine._sample(logits, [early, due]) == [42, engine.tokenizer.end_id]
+    assert logits[0, engine.tokenizer.end_id] == 10.0  # the caller's logits are left alone
+
+
 def test_stop_helpers() -> None:
     assert _find_stop(bytearray(b"hello world"), [b"wor", b"lo"], 0) == 3
     assert _find_stop(bytearray(b"hello"), [b"xyz"], 0) is None
@@ -397,6 +414,10 @@ def test_the_idle_sweep_frees_the_cache(checkpoint: Path) -> None:
         ({"roles": ["user"], "texts": ["a"], "top_p": 0.0}, "TOP_P must be in (0, 1], got 0.0"),
         ({"roles": ["user"], "texts": ["a"], "temperature": -1.0}, "TEMPERATURE must be >= 0"),
         ({"roles": None, "texts": None}, "a turn needs ROLE and TEXT"),
+        (
+            {"roles": ["user"], "texts": ["a"], "max_tokens": 4, "min_tokens": 5},
+            "MIN_TOKENS must be in 0..MAX_TOKENS (4)",
+        ),
     ],
 )
 def test_bad_requests_name_the_input(checkpoint: Path, inputs: dict[str, Any], needle: str) -> None:

@@ -76,6 +76,7 @@ class TurnOptions:
     """How one turn generates. ``temperature`` 0 is greedy (the default); ``top_k`` 0 is off."""
 
     max_tokens: int
+    min_tokens: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -86,6 +87,8 @@ class TurnOptions:
         problems = []
         if self.max_tokens < 1:
             problems.append(f"MAX_TOKENS must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            problems.append(f"MIN_TOKENS must be in 0..MAX_TOKENS ({self.max_tokens}), got {self.min_tokens}")
         if not self.temperature >= 0:  # also refuses NaN
             problems.append(f"TEMPERATURE must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -153,6 +156,8 @@ class ChatTokenizer:
             raise ValueError(f"{path}: the tokenizer lacks the chat template's special tokens {missing}")
         self.end_id = vocab["<|end|>"]
         self.role_ids = {role: vocab[f"<|{role}|>"] for role in ROLES}
+        # A reply ends at <|end|>, or where the model starts another message on its own.
+        self.stop_ids = frozenset({self.end_id, *self.role_ids.values()})
         self.vocab_size = max(vocab.values()) + 1
         alphabet = _byte_alphabet()
         special = {t.content for t in self._tok.get_added_tokens_decoder().values()}
@@ -288,6 +293,7 @@ class ChatEngine:
         roles: Sequence[bytes | str] | None,
         texts: Sequence[bytes | str] | None,
         max_tokens: int | None = None,
+        min_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
@@ -313,6 +319,7 @@ class ChatEngine:
             raise ValueError(f"the last message of a turn must have ROLE user, got {messages[-1].role!r}")
         options = TurnOptions(
             max_tokens=self.default_max_tokens if max_tokens is None else int(max_tokens),
+            min_tokens=0 if min_tokens is None else int(min_tokens),
             temperature=0.0 if temperature is None else float(temperature),
             top_p=1.0 if top_p is None else float(top_p),
             top_k=0 if top_k is None else int(top_k),
@@ -377,7 +384,7 @@ class ChatEngine:
         for turn, token in zip(turns, tokens, strict=True):
             options = turn.options
             assert options is not None
-            if token == self.tokenizer.end_id:
+            if token in self.tokenizer.stop_ids:
                 turn.finish = "stop"
             else:
                 turn.reply_ids.append(token)
@@ -495,6 +502,13 @@ class ChatEngine:
         """One token per row: argmax for greedy turns, else temperature / top-k / top-p with the turn's generator."""
         import torch
 
+        early = [row for row, t in enumerate(turns) if t.options and len(t.reply_ids) < t.options.min_tokens]
+        if early:
+            # Below MIN_TOKENS a reply may not end: the tokens that would end it are never chosen.
+            rows = torch.tensor(early, device=logits.device)
+            stops = torch.tensor(sorted(self.tokenizer.stop_ids), device=logits.device)
+            logits = logits.clone()
+            logits[rows[:, None], stops[None, :]] = float("-inf")
         chosen = logits.argmax(dim=-1)
         for row, turn in enumerate(turns):
             options = turn.options

@@ -41,7 +41,7 @@ __all__ = ["ChatModel"]
 
 _log = logging.getLogger("triton_npu_client.server")
 
-OPTION_INPUTS = ("MAX_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED")
+OPTION_INPUTS = ("MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED")
 
 
 class ChatModel:
