@@ -150,7 +150,7 @@ class ChatModel:
                     **options,
                 )
             except ValueError as err:
-                sender.send(self._error(str(err), pb.TritonError.INVALID_ARG), flags=self._final)
+                sender.send(self._error(f"invalid input: {err}", pb.TritonError.INVALID_ARG), flags=self._final)
                 continue
             refusal = self._loop.submit(key, sender, turn)
             if refusal is not None:
@@ -166,7 +166,10 @@ class ChatModel:
 
     def _refuse(self, kind: RefusalKind, message: str) -> Any:
         errors = self._pb.TritonError
-        return self._error(message, errors.UNAVAILABLE if kind == "capacity" else errors.INVALID_ARG)
+        if kind == "capacity":
+            return self._error(message, errors.UNAVAILABLE)
+        # Over the gRPC stream an error is its text alone: saying "input" is what marks it as the request's fault.
+        return self._error(message if kind == "unknown" else f"invalid input: {message}", errors.INVALID_ARG)
 
     def _respond(self, r: ChatResponse) -> Any:
         pb = self._pb
