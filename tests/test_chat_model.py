@@ -84,6 +84,8 @@ def record(turn: Turn, result: object) -> None:
     turn.pieces.append(piece)
     turn.reply += piece
     turn.responses += 1
+    if "FINISH" not in r.outputs:  # type: ignore[attr-defined]
+        return  # a response in mid-turn carries its piece alone
     turn.finish = bytes(r["FINISH"][0, 0]).decode()  # type: ignore[index]
     for name, attr in [("TOKENS", "tokens"), ("PROMPT_TOKENS", "prompt"), ("CONTEXT_TOKENS", "context"),
                        ("DROPPED", "dropped"), ("LIVE", "live"), ("KV_BYTES", "kv_bytes")]:

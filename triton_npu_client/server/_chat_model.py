@@ -177,6 +177,10 @@ class ChatModel:
         def one(name: str, value: object, dtype: Any) -> Any:
             return pb.Tensor(name, np.array([[value]], dtype=dtype))
 
+        if not r.finish:
+            # A response in mid-turn carries its piece alone: it is sent once per token per conversation, and
+            # every tensor costs the stub, Triton and the client a serialisation. The last one says it all.
+            return pb.InferenceResponse(output_tensors=[one("PIECE", r.piece, np.object_)])
         return pb.InferenceResponse(
             output_tensors=[
                 one("PIECE", r.piece, np.object_),
