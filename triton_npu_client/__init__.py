@@ -71,8 +71,16 @@ if _typing.TYPE_CHECKING:
         TensorSpec,
     )
     from ._sessions import (
+        ChatBusyError,
+        ChatMessage,
+        ChatMessageError,
+        ChatOptionError,
+        ChatOptions,
+        ChatReply,
+        ChatSession,
         SequenceIdleWarning,
         SequenceSession,
+        open_chat,
         open_sequence,
     )
     from ._transport import (
@@ -105,6 +113,14 @@ _LAZY: dict[str, str] = {
     "SequenceIdleWarning": "._sessions",
     "SequenceSession": "._sessions",
     "open_sequence": "._sessions",
+    "ChatBusyError": "._sessions",
+    "ChatMessage": "._sessions",
+    "ChatMessageError": "._sessions",
+    "ChatOptionError": "._sessions",
+    "ChatOptions": "._sessions",
+    "ChatReply": "._sessions",
+    "ChatSession": "._sessions",
+    "open_chat": "._sessions",
     "ControlInput": "._model",
     "ModelSpec": "._model",
     "SequenceSpec": "._model",
@@ -129,6 +145,13 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BatchSizeError",
+    "ChatBusyError",
+    "ChatMessage",
+    "ChatMessageError",
+    "ChatOptionError",
+    "ChatOptions",
+    "ChatReply",
+    "ChatSession",
     "Client",
     "ClientClosedError",
     "ClientConfig",
@@ -183,5 +206,6 @@ __all__ = [
     "__version__",
     "default_model_repository",
     "find_tritonserver",
+    "open_chat",
     "open_sequence",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self
 from urllib.parse import urlsplit
@@ -19,11 +19,12 @@ from .._errors import (
     ConnectError,
     ModelNotReadyError,
     RequestTimeout,
+    SequenceUsageError,
     ServerUnavailable,
     UsageError,
 )
 from .._model import ModelSpec, Plans
-from .._sessions import SequenceSession
+from .._sessions import ChatMessage, ChatSession, SequenceSession
 from .._transport import GrpcTransport, HttpTransport, TLSConfig, Transport
 from .._transport._http import DEFAULT_HTTP_CONNECTIONS
 from ._model import Model
@@ -416,3 +417,41 @@ class Client:
         model = await self.model(name, version=version)
         async with model.sequence(**options) as seq:
             yield seq
+
+    @contextlib.asynccontextmanager
+    async def chat(
+        self,
+        name: str,
+        *,
+        version: str = "",
+        system: str | None = None,
+        history: Iterable[ChatMessage | tuple[str, str]] | None = None,
+        max_tokens: int | None = None,
+        min_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        sequence_id: int | str | None = None,
+        timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
+    ) -> AsyncIterator[ChatSession]:
+        """``async with client.chat(name, system=...) as chat:``: fetch the model (cached), open a chat on it.
+
+        The options are those of ``model.chat()`` (:func:`triton_npu_client.open_chat`). A chat model is decoupled,
+        which Triton serves over the gRPC stream only: an HTTP client is refused here, before anything is sent.
+        To replay a conversation into a fresh chat: ``client.chat(name, history=old.messages)``.
+        """
+        self._check_open()
+        if not self._transport.can_stream:
+            raise SequenceUsageError(
+                f"chat on model {name!r}: a chat model is decoupled, which Triton serves only over the gRPC stream; "
+                f"this client speaks {self._transport.protocol}: use a gRPC client (grpc://)",
+                model=name,
+            )
+        model = await self.model(name, version=version)
+        async with model.chat(
+            system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop=stop, sequence_id=sequence_id, timeout_s=timeout_s,
+        ) as chat:
+            yield chat

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
 from .._call._caller import Caller
 from .._errors import UsageError
 from .._model import InputsArg, ModelSpec, Plans, build_request
-from .._sessions import SequenceSession, open_sequence
+from .._sessions import ChatMessage, ChatSession, SequenceSession, open_chat, open_sequence
 from .._wire import InferRequest, InferResult
 
 __all__ = ["Model"]
@@ -191,3 +191,27 @@ class Model:
         ``timeout_s``, ...). No I/O until the first step.
         """
         return open_sequence(self, **options)
+
+    def chat(
+        self,
+        *,
+        system: str | None = None,
+        history: Iterable[ChatMessage | tuple[str, str]] | None = None,
+        max_tokens: int | None = None,
+        min_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        sequence_id: int | str | None = None,
+        timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
+    ) -> ChatSession:
+        """A chat on this chat model (decoupled, sequence batching; gRPC only): ``async with model.chat() as chat:``.
+
+        The options are those of :func:`triton_npu_client.open_chat`. No I/O until the first turn.
+        """
+        return open_chat(
+            self, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature,
+            top_p=top_p, top_k=top_k, seed=seed, stop=stop, sequence_id=sequence_id, timeout_s=timeout_s,
+        )

@@ -17,6 +17,7 @@ from types import FrameType
 from .._errors import TritonError
 from .._local import LocalTriton
 from .._version import __version__
+from . import _chat
 
 __all__ = ["main"]
 
@@ -109,6 +110,9 @@ def _stubs(ns: argparse.Namespace) -> int:
 
 
 COMMANDS["stubs"] = (_stubs_args, _stubs, "generate typed input/output classes from a model repository")
+
+
+COMMANDS["chat"] = (_chat.add_arguments, _chat.run, "chat with a chat model in the terminal, replies streamed")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,0 +1,573 @@
+"""Chat sessions: one conversation with a decoupled, sequence-batched chat model, its history kept on the server.
+
+::
+
+    async with client.chat("chat", system="You are terse.", max_tokens=200) as chat:
+        async for piece in chat.send("hello", temperature=0.7, seed=1):   # str pieces as they stream
+            print(piece, end="", flush=True)
+        print(chat.last_reply.tokens_per_s)
+        reply = await chat.ask("and then?")                             # the whole reply at once
+        print(reply.text, reply.finish_reason)
+
+- **Where the history lives.** On the server (its KV cache): each turn sends only what is new, the user's
+  message (the first turn also the system message and any ``history=``). The client keeps the sequence id,
+  the token counts and :attr:`ChatSession.messages`, the completed messages, so a conversation can be replayed
+  into a fresh chat: ``client.chat(name, history=old.messages)`` (system messages may sit inside a history).
+- **Options** (``max_tokens``, ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``) given when
+  the chat is opened are its defaults; each turn may override them. Only options given are sent (the server has its
+  own defaults). They are checked before anything is sent (:class:`ChatOptionError` names the option).
+- **Pieces.** The server streams raw bytes that may split a multi-byte UTF-8 character; they are decoded
+  incrementally per turn (invalid bytes become U+FFFD), and no empty string is ever yielded.
+- **Cancelling a turn** (cancelling the task, or leaving the loop early) cancels it on the server, which rolls
+  it back: the turn is not added to :attr:`~ChatSession.messages` and the chat goes on. To cancel at once on
+  ``break``, iterate inside ``contextlib.aclosing(chat.send(...))``; a loop left without it is closed only when
+  the generator is collected, and until then a new turn is refused with :class:`ChatBusyError`.
+- **One turn at a time.** A turn started while another streams on the same chat raises :class:`ChatBusyError`
+  at once (nothing is queued).
+- **Losses.** When the server no longer holds the conversation (idle timeout, restart, reload),
+  :class:`SequenceLost` propagates and the chat is lost; whether to replay ``chat.messages`` into a new chat
+  is the caller's choice.
+- **Closing** the chat (leaving its block) sends END with no inputs: the server frees the conversation.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import math
+import time
+from collections.abc import AsyncGenerator, Iterable, Sequence
+from types import TracebackType
+from typing import Any, Final, Self, cast
+
+import attrs
+import numpy as np
+
+from .._call import USE_CLIENT_DEFAULT, UseClientDefault
+from .._errors import InternalServerError, SequenceUsageError, UsageError
+from .._wire import InferResult
+from ._sequence import DEFAULT_END_TIMEOUT_S, SequenceSession, SessionTarget, open_sequence
+
+__all__ = [
+    "ChatBusyError",
+    "ChatMessage",
+    "ChatMessageError",
+    "ChatOptionError",
+    "ChatOptions",
+    "ChatReply",
+    "ChatSession",
+    "PieceDecoder",
+    "open_chat",
+]
+
+ROLES: Final = ("system", "user", "assistant")
+_INPUTS: Final = ("ROLE", "TEXT")
+_OUTPUTS: Final = ("PIECE", "FINISH")
+_INT32_MAX: Final = 2**31 - 1
+_INT64_MIN: Final = -(2**63)
+_INT64_MAX: Final = 2**63 - 1
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+class ChatOptionError(UsageError, ValueError):
+    """A chat option has a value the model cannot take; raised before anything is sent.
+
+    ``option`` names it, ``expected`` says what it takes and ``given`` is the value given.
+    """
+
+    def __init__(self, option: str, expected: str, given: object, *, model: str | None = None) -> None:
+        super().__init__(f"chat option {option!r}: expected {expected}, given {given!r}", model=model)
+        self.option = option
+        self.expected = expected
+        self.given = given
+
+
+class ChatMessageError(UsageError, ValueError):
+    """A chat message is malformed (unknown role, text not a str); raised before anything is sent."""
+
+
+class ChatBusyError(UsageError, RuntimeError):
+    """A turn was started while another turn of the same chat still streams; nothing was sent or queued."""
+
+
+# --- values --------------------------------------------------------------------------------------
+
+
+def _check_role(_: object, __: object, value: Any) -> None:
+    if value not in ROLES:
+        raise ChatMessageError(f"a chat message's role is one of {', '.join(ROLES)}; given {value!r}")
+
+
+def _check_text(_: object, __: object, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ChatMessageError(f"a chat message's text is a str; given {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # lone surrogates: the server takes UTF-8 only
+        raise ChatMessageError(f"a chat message's text must be encodable as UTF-8: {err}") from None
+
+
+@attrs.frozen
+class ChatMessage:
+    """One message of a conversation: ``role`` ("system", "user" or "assistant") and its ``text``."""
+
+    role: str = attrs.field(validator=_check_role)
+    text: str = attrs.field(validator=_check_text)
+
+
+def as_messages(history: Iterable[ChatMessage | tuple[str, str]] | None) -> tuple[ChatMessage, ...]:
+    """``history`` as :class:`ChatMessage` values: each item is one already, or a ``(role, text)`` pair."""
+    if history is None:
+        return ()
+    if isinstance(history, str | bytes):
+        raise ChatMessageError("history is a sequence of ChatMessage values or (role, text) pairs, given a string")
+    out: list[ChatMessage] = []
+    for i, item in enumerate(history):
+        if isinstance(item, ChatMessage):
+            out.append(item)
+        elif isinstance(item, tuple) and len(item) == 2:
+            out.append(ChatMessage(item[0], item[1]))
+        else:
+            raise ChatMessageError(
+                f"history[{i}]: expected a ChatMessage or a (role, text) pair, given {type(item).__name__}"
+            )
+    return tuple(out)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool | np.bool_)
+
+
+def _check_max_tokens(_: object, __: object, value: Any) -> None:
+    if value is not None and not (_is_int(value) and 1 <= int(value) <= _INT32_MAX):
+        raise ChatOptionError("max_tokens", "an int >= 1", value)
+
+
+def _check_min_tokens(_: object, __: object, value: Any) -> None:
+    if value is not None and not (_is_int(value) and 0 <= int(value) <= _INT32_MAX):
+        raise ChatOptionError("min_tokens", "an int >= 0", value)
+
+
+def _check_temperature(_: object, __: object, value: Any) -> None:
+    # NaN fails every comparison, so it is refused here too.
+    if value is not None and not (_is_number(value) and 0 <= float(value) < math.inf):
+        raise ChatOptionError("temperature", "a number >= 0 (0: greedy)", value)
+
+
+def _check_top_p(_: object, __: object, value: Any) -> None:
+    if value is not None and not (_is_number(value) and 0 < float(value) <= 1):
+        raise ChatOptionError("top_p", "a number in (0, 1]", value)
+
+
+def _check_top_k(_: object, __: object, value: Any) -> None:
+    if value is not None and not (_is_int(value) and 0 <= int(value) <= _INT32_MAX):
+        raise ChatOptionError("top_k", "an int >= 0 (0: off)", value)
+
+
+def _check_seed(_: object, __: object, value: Any) -> None:
+    if value is not None and not (_is_int(value) and _INT64_MIN <= int(value) <= _INT64_MAX):
+        raise ChatOptionError("seed", "an int in the int64 range", value)
+
+
+def _to_stop(value: Iterable[str] | None) -> Any:
+    # Checked here, on the value as given (a validator would see it converted). A bare string is refused:
+    # tuple("###") would silently be three stops.
+    if value is None:
+        return None
+    stops = tuple(value) if isinstance(value, Iterable) and not isinstance(value, str | bytes) else None
+    if stops is None or not all(isinstance(s, str) and s for s in stops):
+        raise ChatOptionError("stop", "a list of non-empty strings", value)
+    return stops
+
+
+@attrs.frozen(kw_only=True)
+class ChatOptions:
+    """Generation options of a chat or a turn; ``None`` leaves an option to the server's default.
+
+    ``max_tokens`` >= 1; ``min_tokens`` >= 0, at most ``max_tokens`` (the reply may not end before that many
+    tokens: for benchmarks and fixed-length replies); ``temperature`` >= 0 (0 = greedy); ``top_p`` in (0, 1];
+    ``top_k`` >= 0 (0 = off); ``seed`` (same seed, same reply); ``stop``: strings the reply is cut before (an
+    empty list sends none).
+    Invalid values raise :class:`ChatOptionError` naming the option.
+    """
+
+    max_tokens: int | None = attrs.field(default=None, validator=_check_max_tokens)
+    min_tokens: int | None = attrs.field(default=None, validator=_check_min_tokens)
+    temperature: float | None = attrs.field(default=None, validator=_check_temperature)
+    top_p: float | None = attrs.field(default=None, validator=_check_top_p)
+    top_k: int | None = attrs.field(default=None, validator=_check_top_k)
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    stop: tuple[str, ...] | None = attrs.field(default=None, converter=_to_stop)
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ChatOptionError("min_tokens", f"an int in 0..max_tokens ({self.max_tokens})", self.min_tokens)
+
+    def override(self, **given: Any) -> ChatOptions:
+        """These options with every one given (not ``None``) replaced; checked like the constructor."""
+        changes = {k: v for k, v in given.items() if v is not None}
+        return attrs.evolve(self, **changes) if changes else self
+
+    def inputs(self) -> dict[str, np.ndarray[Any, Any]]:
+        """The model inputs for the options that are set (dtypes as the chat model declares them)."""
+        out: dict[str, np.ndarray[Any, Any]] = {}
+        if self.max_tokens is not None:
+            out["MAX_TOKENS"] = np.array([self.max_tokens], np.int32)
+        if self.min_tokens is not None:
+            out["MIN_TOKENS"] = np.array([self.min_tokens], np.int32)
+        if self.temperature is not None:
+            out["TEMPERATURE"] = np.array([self.temperature], np.float32)
+        if self.top_p is not None:
+            out["TOP_P"] = np.array([self.top_p], np.float32)
+        if self.top_k is not None:
+            out["TOP_K"] = np.array([self.top_k], np.int32)
+        if self.seed is not None:
+            out["SEED"] = np.array([self.seed], np.int64)
+        if self.stop:
+            out["STOP"] = np.array([s.encode() for s in self.stop], dtype=object)
+        return out
+
+
+@attrs.frozen(kw_only=True)
+class ChatReply:
+    """One completed turn: the reply's text and what the server reported about it. ``str(reply)`` is the text.
+
+    ``finish_reason``: ``"stop"`` (the model ended the reply), ``"stop_string"``, ``"length"`` (``max_tokens``
+    reached) or ``"context"`` (the conversation filled the model's context). ``tokens``: generated this turn;
+    ``prompt_tokens``: prefilled this turn; ``context_tokens``: held by the conversation afterwards;
+    ``dropped``: messages the server dropped from the oldest end of the history to make room.
+    ``time_to_first_token_s``: from sending to the first text (``None`` for an empty reply);
+    ``elapsed_s``: from sending to the last response.
+    """
+
+    text: str
+    finish_reason: str
+    tokens: int
+    prompt_tokens: int
+    context_tokens: int
+    dropped: int
+    time_to_first_token_s: float | None
+    elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the whole turn (prefill included); 0.0 for an instant one."""
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class PieceDecoder:
+    """Raw reply bytes -> text, across pieces that may split a multi-byte UTF-8 character.
+
+    :meth:`feed` returns the text complete so far (possibly ``""``); :meth:`flush` returns what an unfinished
+    character at the end becomes (U+FFFD) and resets. Invalid bytes become U+FFFD, never an exception.
+    """
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, piece: bytes) -> str:
+        return self._decoder.decode(piece)
+
+    def flush(self) -> str:
+        text = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        return text
+
+
+# --- the session ---------------------------------------------------------------------------------
+
+
+def _scalar(result: InferResult, name: str) -> Any:
+    value = result.outputs.get(name)
+    return None if value is None or value.size == 0 else value.reshape(-1)[0]
+
+
+def _count(result: InferResult, name: str) -> int:
+    value = _scalar(result, name)
+    return 0 if value is None else int(value)
+
+
+def open_chat(
+    model: SessionTarget,
+    *,
+    system: str | None = None,
+    history: Iterable[ChatMessage | tuple[str, str]] | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] | None = None,
+    sequence_id: int | str | None = None,
+    timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
+    end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
+) -> ChatSession:
+    """A new chat on ``model`` (what ``model.chat(...)`` returns). Checks everything; no I/O until the first turn.
+
+    ``system``: the system message, sent with the first turn, before ``history`` (messages to replay, as
+    :class:`ChatMessage` values or ``(role, text)`` pairs). The generation options are the chat's defaults
+    (see :class:`ChatOptions`). ``timeout_s`` bounds each turn (the client's default when not given).
+    Raises :class:`SequenceUsageError` for a model that is not a chat model or a client that cannot stream
+    (HTTP: Triton serves decoupled models over the gRPC stream only).
+    """
+    spec = model.spec
+    if not model.caller.transport.can_stream:
+        raise SequenceUsageError(
+            f"chat on model {spec.name!r}: a chat model is decoupled, which Triton serves only over the gRPC "
+            f"stream; this client speaks {model.caller.transport.protocol}: use a gRPC client (grpc://)",
+            model=spec.name,
+        )
+    missing = [n for n in _INPUTS if spec.input(n) is None] + [n for n in _OUTPUTS if spec.output(n) is None]
+    if not spec.decoupled or spec.sequence is None or missing:
+        lacks = (["decoupled"] if not spec.decoupled else []) + (["sequence batching"] if spec.sequence is None else [])
+        raise SequenceUsageError(
+            f"model {spec.name!r} is not a chat model (it lacks: {', '.join(lacks + missing)})", model=spec.name
+        )
+    options = ChatOptions(
+        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=seed, stop=stop,
+    )
+    if system is not None and not isinstance(system, str):
+        raise ChatMessageError(f"system is a str; given {type(system).__name__}")
+    prefix = ((ChatMessage("system", system),) if system is not None else ()) + as_messages(history)
+    seq = open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
+    return ChatSession(seq, options=options, prefix=prefix)
+
+
+class ChatSession:
+    """One conversation on a chat model; an async context manager. See the module docstring.
+
+    Made by ``model.chat(...)`` / ``client.chat(name, ...)`` (see :func:`open_chat`).
+    """
+
+    def __init__(self, seq: SequenceSession, *, options: ChatOptions, prefix: tuple[ChatMessage, ...] = ()) -> None:
+        self._seq = seq
+        self._options = options
+        self._messages: list[ChatMessage] = list(prefix)
+        # Messages the server does not hold yet: they ride on the next turn (again after a cancelled first turn,
+        # since the server rolls back everything a cancelled turn carried).
+        self._pending: tuple[ChatMessage, ...] = prefix
+        # Leading system messages: the server never drops them when the context overflows.
+        self._pinned = next((i for i, m in enumerate(prefix) if m.role != "system"), len(prefix))
+        self._streaming = False
+        self._turns = 0
+        self._context_tokens = 0
+        self._last_reply: ChatReply | None = None
+
+    def __repr__(self) -> str:
+        state = "lost" if self.is_lost else "open" if self.is_open else "closed"
+        return f"<Chat {self._seq.model} id={self._seq.sequence_id!r} turns={self._turns} {state}>"
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> str:
+        return self._seq.model
+
+    @property
+    def sequence_id(self) -> int | str:
+        return self._seq.sequence_id
+
+    @property
+    def options(self) -> ChatOptions:
+        """The chat's default options (a turn's own options override them)."""
+        return self._options
+
+    @property
+    def messages(self) -> tuple[ChatMessage, ...]:
+        """The conversation as the server holds it: the system and ``history=`` messages, then each completed
+        turn's user and assistant messages, less the oldest ones the server dropped to make room
+        (:attr:`ChatReply.dropped`; leading system messages are never dropped). Cancelled turns are not in it.
+
+        Pass it as ``history=`` to replay the conversation into a fresh chat (e.g. after :class:`SequenceLost`):
+        the server rebuilds exactly the same tokens.
+        """
+        return tuple(self._messages)
+
+    @property
+    def turns(self) -> int:
+        """Completed turns."""
+        return self._turns
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens the server holds for this conversation after the last completed turn."""
+        return self._context_tokens
+
+    @property
+    def last_reply(self) -> ChatReply | None:
+        """The last completed turn's reply (``None`` before the first)."""
+        return self._last_reply
+
+    @property
+    def is_streaming(self) -> bool:
+        """Whether a turn is streaming now."""
+        return self._streaming
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a turn may be sent (neither closed nor lost)."""
+        return self._seq.is_open
+
+    @property
+    def is_lost(self) -> bool:
+        """Whether the server lost the conversation (replay :attr:`messages` into a new chat to go on)."""
+        return self._seq.is_lost
+
+    # -- turns ----------------------------------------------------------------------------------------
+
+    def send(
+        self,
+        text: str,
+        *,
+        max_tokens: int | None = None,
+        min_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+    ) -> AsyncGenerator[str, None]:
+        """Send the user message ``text`` and yield the reply as ``str`` pieces as they arrive.
+
+        Options given override the chat's defaults for this turn. After the loop completes,
+        :attr:`last_reply` holds the turn's :class:`ChatReply`. Checked at once, before anything is sent:
+        the options (:class:`ChatOptionError`), the text, and that no other turn streams (:class:`ChatBusyError`).
+        """
+        options = self._options.override(
+            max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop=stop,
+        )
+        user = ChatMessage("user", text)
+        self._refuse_busy()
+        return self._turn(user, options)
+
+    async def ask(
+        self,
+        text: str,
+        *,
+        max_tokens: int | None = None,
+        min_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+    ) -> ChatReply:
+        """Send the user message ``text`` and return the whole reply (see :meth:`send`)."""
+        pieces = self.send(
+            text, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop=stop,
+        )
+        async with contextlib.aclosing(pieces):
+            async for _ in pieces:
+                pass
+        assert self._last_reply is not None  # a turn that returned normally was committed
+        return self._last_reply
+
+    def _refuse_busy(self) -> None:
+        if self._streaming:
+            raise ChatBusyError(
+                f"chat {self._seq.sequence_id!r} on model {self._seq.model!r}: a turn is still streaming; "
+                "one turn at a time (a loop left early closes its turn only when its generator is collected: "
+                "iterate inside contextlib.aclosing(chat.send(...)) to close it at once)",
+                model=self._seq.model,
+                sequence_id=self._seq.sequence_id,
+            )
+
+    async def _turn(self, user: ChatMessage, options: ChatOptions) -> AsyncGenerator[str, None]:
+        self._refuse_busy()  # again: another turn may have started since send() was called
+        self._streaming = True
+        try:
+            outgoing = (*self._pending, user)
+            inputs: dict[str, object] = {
+                "ROLE": np.array([m.role for m in outgoing], dtype=object),
+                "TEXT": np.array([m.text.encode() for m in outgoing], dtype=object),
+                **options.inputs(),
+            }
+            decoder = PieceDecoder()
+            parts: list[str] = []
+            started = time.perf_counter()
+            first_at: float | None = None
+            committed = False
+            stream = cast(AsyncGenerator[InferResult, None], self._seq.stream(inputs))  # an async generator
+            async with contextlib.aclosing(stream) as responses:
+                async for result in responses:
+                    # Mid-turn responses carry PIECE alone; the last one also FINISH and the counts.
+                    finish = _scalar(result, "FINISH")
+                    finish_reason = finish.decode("utf-8", "replace") if isinstance(finish, bytes) else ""
+                    piece = _scalar(result, "PIECE")
+                    text = decoder.feed(piece) if isinstance(piece, bytes) and piece else ""
+                    if finish_reason:
+                        text += decoder.flush()
+                    if text:
+                        parts.append(text)
+                        if first_at is None:
+                            first_at = time.perf_counter()
+                    if finish_reason:
+                        # Recorded before the last text is handed out: the server holds the turn from here on,
+                        # even if the caller leaves the loop at this piece.
+                        now = time.perf_counter()
+                        committed = True
+                        self._commit(
+                            outgoing,
+                            ChatReply(
+                                text="".join(parts),
+                                finish_reason=finish_reason,
+                                tokens=_count(result, "TOKENS"),
+                                prompt_tokens=_count(result, "PROMPT_TOKENS"),
+                                context_tokens=_count(result, "CONTEXT_TOKENS"),
+                                dropped=_count(result, "DROPPED"),
+                                time_to_first_token_s=None if first_at is None else first_at - started,
+                                elapsed_s=now - started,
+                            ),
+                        )
+                    if text:
+                        yield text
+            if committed:
+                return
+            # The server's last response of a turn always names why it finished; a stream that ends without
+            # one broke the contract, and what the server kept is unknown.
+            raise InternalServerError(
+                f"chat {self._seq.sequence_id!r}: the turn's responses ended without a finish reason",
+                model=self._seq.model,
+                sequence_id=self._seq.sequence_id,
+            )
+        finally:
+            self._streaming = False
+
+    def _commit(self, outgoing: tuple[ChatMessage, ...], reply: ChatReply) -> None:
+        # Mirror the server's history exactly, so that replaying these messages rebuilds the same tokens: the
+        # server drops its oldest messages (after the leading system ones) to make room for a turn.
+        del self._messages[self._pinned : self._pinned + reply.dropped]
+        self._messages.extend((outgoing[-1], ChatMessage("assistant", reply.text)))
+        self._pending = ()
+        self._turns += 1
+        self._context_tokens = reply.context_tokens
+        self._last_reply = reply
+
+    # -- closing --------------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """End the conversation on the server (END, no inputs; bounded, best effort). Idempotent."""
+        await self._seq.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

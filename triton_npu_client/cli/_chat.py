@@ -1,0 +1,266 @@
+"""``triton-npu chat``: an interactive chat in the terminal, replies streamed as they are generated.
+
+One line of input is one user message. The reply goes to stdout piece by piece; the prompt, a short stats
+line after each reply (tokens, tokens/s, time to the first token) and notices go to stderr, so stdout holds
+only the replies. Without ``--url`` an embedded ``tritonserver`` serving the packaged model is started for the
+session and stopped at the end.
+
+Keys and exit status:
+
+- **Ctrl-C during a reply** cancels that turn: the server rolls it back (it is dropped from the history) and
+  the prompt returns.
+- **Ctrl-C at the prompt** (or while starting) exits with status 130, the shell's code for SIGINT.
+- **EOF** (Ctrl-D, or the end of piped input) exits with status 0.
+- An error the SDK raises is printed as one line; it ends the command with status 2 when the conversation
+  cannot go on (lost, connection gone), else the prompt returns.
+
+Input is read by a thread, so waiting for a line never blocks the event loop (the reply keeps streaming while
+the next line is typed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import contextlib
+import io
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Final, TextIO
+
+from .._errors import TritonError, UsageError
+from .._local import LocalTriton, default_model_repository
+
+if TYPE_CHECKING:
+    from .._sessions import ChatReply, ChatSession
+
+__all__ = ["add_arguments", "run"]
+
+EXIT_INTERRUPTED: Final = 130
+
+_PROMPT: Final = "> "
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="server URL, grpc://HOST:PORT (default: start an embedded server)")
+    p.add_argument("--model", default="chat", help="chat model name (default: chat)")
+    p.add_argument("--system", default=None, help="system message sent with the first turn")
+    p.add_argument("--max-tokens", type=int, default=None, help="most tokens per reply (default: the model's)")
+    p.add_argument(
+        "--min-tokens", type=int, default=None, help="the reply may not end before this many tokens (default 0)"
+    )
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same reply)")
+    p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the embedded server")
+
+
+class _Interrupt:
+    """Put in the line queue by Ctrl-C at the prompt."""
+
+
+_INTERRUPT: Final = _Interrupt()
+Line = str | None | _Interrupt  # None: end of input
+
+
+class _Keys:
+    """Where a Ctrl-C goes: the turn streaming now, else the prompt, else (while starting) the whole command."""
+
+    def __init__(self, main: asyncio.Task[int], lines: asyncio.Queue[Line]) -> None:
+        self.main = main
+        self.lines = lines
+        self.turn: asyncio.Task[ChatReply] | None = None
+        self.at_prompt = False
+        self.interrupted = False
+
+    def on_sigint(self) -> None:
+        if self.turn is not None and not self.turn.done():
+            self.turn.cancel()
+        elif self.at_prompt:
+            self.interrupted = True  # checked before any line already queued
+            self.lines.put_nowait(_INTERRUPT)
+        else:
+            self.main.cancel()
+
+
+def _read_lines(fd: int, loop: asyncio.AbstractEventLoop, lines: asyncio.Queue[Line]) -> None:
+    """Read ``fd`` to its end in this (daemon) thread, handing each line to the loop; ``None`` at the end."""
+
+    def put(item: Line) -> bool:
+        try:
+            loop.call_soon_threadsafe(lines.put_nowait, item)
+        except RuntimeError:  # the loop has closed: nobody reads any more
+            return False
+        return True
+
+    # os.read, not sys.stdin: a thread blocked inside the buffered reader holds its lock, which the interpreter
+    # may need at exit.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        pending += decoder.decode(chunk)
+        *complete, pending = pending.split("\n")
+        for line in complete:
+            if not put(line):
+                return
+    pending += decoder.decode(b"", final=True)
+    if pending and not put(pending):
+        return
+    put(None)
+
+
+def _stats(reply: ChatReply) -> str:
+    ttft = "-" if reply.time_to_first_token_s is None else f"{reply.time_to_first_token_s * 1000:.0f} ms"
+    parts = [f"{reply.tokens} tokens", f"{reply.tokens_per_s:.1f} tokens/s", f"first token {ttft}"]
+    if reply.finish_reason != "stop":
+        parts.append(f"finished: {reply.finish_reason}")
+    if reply.dropped:
+        parts.append(f"{reply.dropped} oldest messages dropped")
+    return "[" + ", ".join(parts) + "]"
+
+
+def _dim(text: str, stream: TextIO) -> str:
+    return f"\x1b[2m{text}\x1b[0m" if stream.isatty() else text
+
+
+# Control characters a model may emit (ESC would start a terminal escape sequence) are shown as U+FFFD on a
+# terminal; newline and tab stay. Piped output is left exactly as the model made it.
+_CONTROLS: Final = {c: "\ufffd" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if c not in (0x09, 0x0A)}
+
+
+async def _turn(chat: ChatSession, text: str, out: TextIO) -> ChatReply:
+    terminal = out.isatty()
+    async with contextlib.aclosing(chat.send(text)) as pieces:
+        async for piece in pieces:
+            out.write(piece.translate(_CONTROLS) if terminal else piece)
+            out.flush()
+    reply = chat.last_reply
+    assert reply is not None  # the loop completed, so the turn was recorded
+    return reply
+
+
+async def _repl(chat: ChatSession, keys: _Keys, out: TextIO, err: TextIO, *, prompt: bool) -> int:
+    while True:
+        if prompt:
+            err.write(_PROMPT)
+            err.flush()
+        keys.at_prompt = True
+        try:
+            line = await keys.lines.get()
+        finally:
+            keys.at_prompt = False
+        if keys.interrupted or line is _INTERRUPT:
+            err.write("\n")
+            return EXIT_INTERRUPTED
+        if line is None:
+            if prompt:
+                err.write("\n")
+            return 0
+        assert isinstance(line, str)
+        if not line.strip():
+            continue
+        keys.turn = asyncio.get_running_loop().create_task(_turn(chat, line, out))
+        try:
+            await asyncio.wait([keys.turn])
+        finally:
+            turn, keys.turn = keys.turn, None
+        if turn.cancelled():
+            out.write("\n")
+            out.flush()
+            err.write(_dim("[turn cancelled: dropped from the history]", err) + "\n")
+            err.flush()
+            continue
+        error = turn.exception()
+        if error is None:
+            out.write("\n")
+            out.flush()
+            err.write(_dim(_stats(turn.result()), err) + "\n")
+            err.flush()
+            continue
+        out.write("\n")
+        out.flush()
+        if isinstance(error, TritonError) and chat.is_open:
+            err.write(f"triton-npu chat: {error}\n")
+            err.flush()
+            continue
+        raise error
+
+
+async def _session(ns: argparse.Namespace, keys: _Keys, out: TextIO, err: TextIO) -> int:
+    from .._client import Client
+    from .._sessions import ChatOptions
+
+    # Checked first: a bad option must not wait for an embedded server to start.
+    ChatOptions(max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, temperature=ns.temperature, seed=ns.seed)
+    async with contextlib.AsyncExitStack() as stack:
+        url = ns.url
+        if url is None:
+            packaged = default_model_repository() / ns.model
+            if not (packaged / "config.pbtxt").is_file():
+                raise UsageError(f"no model {ns.model!r} among the packaged server models: pass --url")
+            # A repository holding only this model: the server starts much sooner than on every packaged model.
+            folder = tempfile.TemporaryDirectory(prefix=f"triton-npu-chat-{os.getpid()}-")
+            repository = Path(stack.enter_context(folder))
+            # On the loop's thread on purpose: nothing else runs yet, and a copy in a worker thread could outlive
+            # a Ctrl-C and write into the folder as it is removed.
+            shutil.copytree(packaged, repository / ns.model)
+            err.write(f"starting tritonserver for model {ns.model!r} ...\n")
+            err.flush()
+            server = await stack.enter_async_context(
+                LocalTriton(repository, startup_timeout_s=ns.startup_timeout)
+            )
+            url = server.grpc_url
+        client = await stack.enter_async_context(Client(url, timeout_s=30.0))
+        # Opening the chat fetches the model's config: a wrong URL or model is reported before the first prompt.
+        # No deadline on a turn: an interactive reply ends when the model stops or Ctrl-C cancels it.
+        chat = await stack.enter_async_context(
+            client.chat(
+                ns.model, system=ns.system, max_tokens=ns.max_tokens, min_tokens=ns.min_tokens,
+                temperature=ns.temperature, seed=ns.seed, timeout_s=None,
+            )
+        )
+        reader = threading.Thread(
+            target=_read_lines,
+            args=(sys.stdin.fileno(), asyncio.get_running_loop(), keys.lines),
+            name="triton-npu-chat-stdin",
+            daemon=True,
+        )
+        reader.start()
+        code = await _repl(chat, keys, out, err, prompt=sys.stdin.isatty())
+    return code
+
+
+async def _main(ns: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    keys = _Keys(main, asyncio.Queue())
+    loop.add_signal_handler(signal.SIGINT, keys.on_sigint)
+    try:
+        return await _session(ns, keys, sys.stdout, sys.stderr)
+    except asyncio.CancelledError:
+        # Ctrl-C before the prompt (starting the server, connecting): everything above has been closed.
+        sys.stderr.write("\n")
+        return EXIT_INTERRUPTED
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """``triton-npu chat``: see the module docstring."""
+    for stream in (sys.stdout, sys.stderr):
+        # Whatever the terminal's encoding, a reply never crashes the command.
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="replace")
+    return asyncio.run(_main(ns))
