@@ -1,9 +1,11 @@
-"""The main job for now: start the embedded Triton on server_models/ and make requests through the SDK.
+"""The main job: start the embedded Triton on server_models/ and use it through the SDK.
 
 Run it with ``python examples/quickstart.py``. It starts a real tritonserver on free loopback ports, then:
 one stateless request to ``scale_fp32`` (validated against the model's config before it is sent), one bad
-input refused with a typed error before anything crosses the network, and one stateful session on
-``seq_stats_oldest`` (running mean per sequence; START/END sent for you). Then it stops the server.
+input refused with a typed error before anything crosses the network, one stateful session on
+``seq_stats_oldest`` (running mean per sequence; START/END sent for you), and a scripted multi-turn chat
+on ``chat`` (``examples/chat_demo.py``: each turn's time to first token and tokens/s with the history kept
+on the server, next to the same turn resent in full to a stateless twin). Then it stops the server.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+from chat_demo import run_demo  # examples/chat_demo.py, beside this file
 
 from triton_npu_client import Client, InputDtypeError, LocalTriton
 
@@ -41,6 +44,8 @@ async def main() -> None:
         print(f"sequence {seq.sequence_id}: mean after 3 steps = {final['MEAN'][0].tolist()}")
         if not np.allclose(final["MEAN"][0], [3, 4, 5, 6]) or int(out["COUNT"][0, 0]) != 2:
             raise SystemExit("unexpected sequence state")
+
+        await run_demo(client)
     print("server stopped")
 
 

@@ -38,6 +38,14 @@ def test_quickstart_main_job(tmp_path: Path) -> None:
     assert "scale_fp32([0.0, 1.0, 2.0, 3.0]) = [0.0, 2.0, 4.0, 6.0]" in out
     assert "refused before sending: input 'INPUT0': expected FP32, given float64" in out
     assert "mean after 3 steps = [3.0, 4.0, 5.0, 6.0]" in out
+    # The chat: five turns, each timed with the history kept and resent, the stateless twin agreeing.
+    kept = [float(m) for m in re.findall(r"kept: +([\d.]+) ms to first token", out)]
+    resent = [float(m) for m in re.findall(r"resent: +([\d.]+) ms to first token", out)]
+    assert len(kept) == len(resent) == 5
+    prefilled = [int(m) for m in re.findall(r"resent: .*?(\d+) tokens prefilled", out)]
+    assert prefilled == sorted(prefilled)
+    assert prefilled[-1] > prefilled[0]  # the stateless way prefills a growing history
+    assert re.search(r"Turn 5: the first token came [\d.]+x sooner", out)
     assert out.rstrip().endswith("server stopped")
 
 
