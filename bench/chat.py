@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from triton_npu_client import Client, LocalTriton, Model  # noqa: E402
+from triton_npu_client import Client, LocalTriton, Model
 
 PARAGRAPH = (
     "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition, seemed to "
@@ -99,7 +99,8 @@ async def timed(responses: AsyncIterator[object]) -> TurnStats:
             last = now
             pieces += 1
             reply += piece
-    assert result is not None and first is not None and last is not None
+    assert result is not None, "no response"
+    assert first is not None and last is not None, "no text"  # noqa: PT018
     return TurnStats(
         tokens=int(result["TOKENS"][0, 0]),  # type: ignore[index]
         ttft_s=first - start,
@@ -208,7 +209,8 @@ async def main(args: argparse.Namespace) -> int:
     print(f"| {lengths[16]} | {med(short) * 1e3:.2f} | {', '.join(f'{x * 1e3:.2f}' for x in short)} |")
     print(f"| {lengths[1024]} | {med(long) * 1e3:.2f} | {', '.join(f'{x * 1e3:.2f}' for x in long)} |")
     lat = ratio(med(long), med(short))
-    print(f"\nratio {lengths[1024]} vs {lengths[16]}: **{lat:.2f}x** (goal <= 1.3x: {'met' if lat <= 1.3 else 'NOT met'})\n")
+    verdict = "met" if lat <= 1.3 else "NOT met"
+    print(f"\nratio {lengths[1024]} vs {lengths[16]}: **{lat:.2f}x** (goal <= 1.3x: {verdict})\n")
 
     print(f"## Aggregate decode throughput ({args.tokens} tokens per conversation)\n")
     print("| conversations at once | tokens/s (median) | rounds |")
@@ -221,7 +223,8 @@ async def main(args: argparse.Namespace) -> int:
     print(f"## Time to first token at turn {args.turns} ({history} tokens of history, {args.tokens}-token replies)\n")
     print("| client | TTFT ms (median) | rounds |")
     print("|---|---|---|")
-    print(f"| history kept on the server (`chat`) | {med(kept) * 1e3:.1f} | {', '.join(f'{x * 1e3:.1f}' for x in kept)} |")
+    kept_rounds = ", ".join(f"{x * 1e3:.1f}" for x in kept)
+    print(f"| history kept on the server (`chat`) | {med(kept) * 1e3:.1f} | {kept_rounds} |")
     print(
         f"| history resent every turn (`chat_stateless`) | {med(resent) * 1e3:.1f} | "
         f"{', '.join(f'{x * 1e3:.1f}' for x in resent)} |"
