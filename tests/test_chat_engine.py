@@ -122,7 +122,15 @@ def _load(checkpoint: Path) -> GPT2:
 class Rig:
     """An engine in a pass-by-pass StepLoop, with helpers to run turns to their end."""
 
-    def __init__(self, checkpoint: Path, *, slots: int = 8, max_ctx: int = 256, default_max_tokens: int = 12) -> None:
+    def __init__(
+        self,
+        checkpoint: Path,
+        *,
+        slots: int = 8,
+        max_ctx: int = 256,
+        default_max_tokens: int = 12,
+        stream_interval_s: float = 0.0,
+    ) -> None:
         self.clock = FakeClock()
         model = _load(checkpoint)
         self.tokenizer = ChatTokenizer(checkpoint)
@@ -136,6 +144,8 @@ class Rig:
             respond=lambda r: r,
             refuse=lambda kind, message: (kind, message),
             default_max_tokens=default_max_tokens,
+            stream_interval_s=stream_interval_s,
+            clock=self.clock,
         )
         self.loop: StepLoop[ChatTurn] = StepLoop(
             step=self.engine.step,
@@ -342,6 +352,23 @@ def test_min_tokens_keeps_a_reply_from_ending_early(checkpoint: Path) -> None:
     due.reply_ids = [5, 6, 7]
     assert engine._sample(logits, [early, due]) == [42, engine.tokenizer.end_id]
     assert logits[0, engine.tokenizer.end_id] == 10.0  # the caller's logits are left alone
+
+
+def test_stream_interval_merges_pieces_without_changing_the_reply(checkpoint: Path) -> None:
+    """With an interval, the first piece goes at once, later ones at most once per interval; the bytes are the same."""
+    every = Rig(checkpoint).turn(1, ["user"], ["The cat sat on the mat."], max_tokens=20, min_tokens=20)
+    assert len(every.chat) == 20  # one response per token without an interval (ASCII-ish replies aside)
+    still = Rig(checkpoint, stream_interval_s=1.0)
+    frozen = still.turn(1, ["user"], ["The cat sat on the mat."], max_tokens=20, min_tokens=20)
+    assert frozen.reply == every.reply
+    assert len(frozen.chat) == 2  # the first piece, then everything else with the final response
+    paced = Rig(checkpoint, stream_interval_s=1.0)
+    sender = paced.submit(1, ["user"], ["The cat sat on the mat."], max_tokens=20, min_tokens=20)
+    while not sender.done:
+        paced.loop.run_pass()
+        paced.clock.now += 0.6  # each pass 0.6 s later: a piece every second pass
+    assert sender.reply == every.reply
+    assert 8 <= len(sender.chat) <= 12
 
 
 def test_stop_helpers() -> None:

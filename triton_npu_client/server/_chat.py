@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,6 +216,7 @@ class ChatTurn:
     reply_ids: list[int] = field(default_factory=list)
     reply: bytearray = field(default_factory=bytearray)
     sent: int = 0  # bytes of `reply` already streamed
+    sent_at: float | None = None  # when the last piece went out (None: none yet)
     finish: Finish = ""
 
 
@@ -244,6 +246,8 @@ class ChatEngine:
         respond: Callable[[ChatResponse], Any],
         refuse: Callable[[RefusalKind, str], Any],
         default_max_tokens: int = 64,
+        stream_interval_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
         on_thread: Callable[[], None] | None = None,
     ) -> None:
         if slots.capacity != cache.slots:
@@ -257,6 +261,8 @@ class ChatEngine:
         self.cache = cache
         self.slots = slots
         self.default_max_tokens = default_max_tokens
+        self.stream_interval_s = stream_interval_s
+        self._clock = clock
         self._respond = respond
         self._refuse = refuse
         self._on_thread = on_thread
@@ -405,13 +411,31 @@ class ChatEngine:
                 continue
             # Hold back a tail that may be the start of a stop string: it is sent once it is known not to be.
             safe = len(turn.reply) - _held_back(turn.reply, options.stop)
-            piece = bytes(turn.reply[turn.sent : safe]) if safe > turn.sent else b""
-            turn.sent = max(turn.sent, safe)
+            piece = b""
+            if safe > turn.sent and self._may_send(turn):
+                piece = bytes(turn.reply[turn.sent : safe])
+                turn.sent = safe
             going.append(turn)
             outputs.append(StepOutput(response=self._turn_response(turn, piece) if piece else None))
         if going:
             self._decode(going)
         return outputs
+
+    def _may_send(self, turn: ChatTurn) -> bool:
+        """Whether a turn's new bytes go out this pass: always the first piece; then no sooner than the interval.
+
+        With ``stream_interval_s`` 0 every pass sends. Above it, a turn's pieces in mid-reply are merged so that
+        it sends at most one response per interval: each response costs the stub, Triton and the client about
+        the same whatever its size, so under load fewer, larger pieces leave more of the CPU to decoding.
+        """
+        if self.stream_interval_s <= 0 or turn.sent_at is None:
+            turn.sent_at = self._clock()
+            return True
+        now = self._clock()
+        if now - turn.sent_at < self.stream_interval_s:
+            return False
+        turn.sent_at = now
+        return True
 
     def on_exit(self, stream: Stream[ChatTurn], reason: ExitReason) -> None:
         """A turn left the loop: free its conversation on END. One that did not finish was never committed."""

@@ -9,7 +9,8 @@ Config ``parameters`` read: ``checkpoint`` (folder of config.json, model.safeten
 relative to the model's folder; default ``demo_gpt2``), ``max_ctx`` (positions per conversation; default
 the model's n_positions), ``max_sequences`` and ``max_cache_mb`` (the two caps on live conversations: the
 cache is preallocated for the smaller), ``default_max_tokens``, ``device`` / ``device_ids`` (see
-``_device``), ``cpu_threads`` (torch threads on a CPU instance), ``sweep_grace_us``.
+``_device``), ``cpu_threads`` (torch threads on a CPU instance), ``sweep_grace_us``, ``stream_interval_ms`` (0: a
+response per token; above, a turn's pieces in mid-reply are merged into at most one response per interval).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class ChatModel:
             respond=self._respond,
             refuse=self._refuse,
             default_max_tokens=int(param("default_max_tokens", "64")),
+            stream_interval_s=float(param("stream_interval_ms", "0")) / 1000,
             # Device context is per thread: the loop's thread makes the instance's device current too.
             on_thread=lambda: _activate(choice, threads),
         )
