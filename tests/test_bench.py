@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from triton_npu_client import LocalTriton
 
@@ -74,3 +78,51 @@ def test_table_prints_crashed_rows_without_ratios() -> None:
     assert cells[:3] == ["this client (streaming sessions)", "16", "crashed"]
     assert set(cells[3:]) == {"-"}
     assert [c.strip() for c in lines[2].strip("|").split("|")][-2] == "1.00x"
+
+
+def test_chat_perf_analyzer_quick(triton_server: LocalTriton, tmp_path: Path) -> None:
+    """perf_analyzer drives chat at concurrency 1 and 4: turns stream every token, no errors, commands printed."""
+    out = tmp_path / "rows.json"
+    url = f"127.0.0.1:{triton_server.grpc_port}"
+    proc = _run(["bench/chat_perf_analyzer.py", "--quick", "--url", url, "--json", str(out)], timeout_s=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    assert all(r["failure"] is None and r["errors"] == 0 and r["turns_s"] > 0 for r in rows)
+    # --quick asks for 8 tokens per turn, one response each: perf_analyzer counted every streamed response.
+    assert all(r["responses_per_turn"] == pytest.approx(8.0, rel=1e-3) for r in rows)
+    assert all(r["first_p50_ms"] > 0 for r in rows)
+    assert proc.stdout.count("--streaming") == 2
+    assert sum(line.startswith("| 1 |") or line.startswith("| 4 |") for line in proc.stdout.splitlines()) == 2
+
+
+def _device_check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "bench/chat_device_check.py", *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
+        check=False,
+    )  # fmt: skip
+
+
+def test_chat_device_check_on_cpu() -> None:
+    """On a CPU-only machine the chat device check picks the CPU, passes its checks and names the device."""
+    proc = _device_check("--conversations", "3", "--tokens", "5", "--max-ctx", "128")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith("-> cpu")
+    assert re.fullmatch(r"weights: \d+ tensors on cpu", lines[1])
+    # Three conversations' slots, 128 positions each, keys and values of every layer.
+    assert re.fullmatch(r"KV cache \[3, \d+, 128, \d+\] per layer: \d+ tensors on cpu", lines[2])
+    assert "engine on cpu vs argmax of a plain batched forward: equal (3 conversations x 5 tokens)" in lines
+    header = next(i for i, line in enumerate(lines) if line.startswith("device "))
+    row = lines[header + 1].split()
+    assert row[:2] == ["cpu", "3"]
+    assert all(float(cell.replace(",", "")) > 0 for cell in row[2:6])
+    assert lines[-1] == "OK"
+
+
+def test_chat_device_check_fails_for_an_absent_device() -> None:
+    """Forcing a device this machine lacks is a failed check with a reason, never a silent fallback to CPU."""
+    proc = _device_check("--device", "npu", "--conversations", "1", "--tokens", "1")
+    assert proc.returncode == 2
+    assert proc.stdout.startswith("FAIL: device 'npu' was forced")

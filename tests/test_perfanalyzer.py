@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tools.perf_analyzer import (
+    DECOUPLED_VERSION,
     PerfAnalyzer,
     PerfAnalyzerError,
     arun_perf_analyzer,
@@ -16,7 +19,7 @@ from tools.perf_analyzer import (
     parse_report,
     run_perf_analyzer,
 )
-from triton_npu_client import LocalTriton
+from triton_npu_client import Client, LocalTriton
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +98,76 @@ def test_parse_report_reads_last_row_and_server_counts() -> None:
     assert (result.p50_latency_us, result.p99_latency_us) == (1394, 4332)
     assert result.avg_batch_size == pytest.approx(7967 / 4025)
     assert result.errors == 0
+
+
+CHAT_TOKENS = 6  # per reply: MIN_TOKENS = MAX_TOKENS, so every turn streams exactly this many responses
+
+
+def _chat_data(path: Path) -> Path:
+    """Two conversations of three turns; the first turn carries a system message too."""
+    questions = ["Where are you going?", "What did your sister say?", "Shall we walk to the village?"]
+    streams = []
+    for system in ("You are a polite young lady.", "You are an old sailor."):
+        steps = []
+        for i, question in enumerate(questions):
+            roles, texts = (["system", "user"], [system, question]) if i == 0 else (["user"], [question])
+            steps.append({
+                "ROLE": {"content": roles, "shape": [len(roles)]},
+                "TEXT": {"content": texts, "shape": [len(texts)]},
+                "MAX_TOKENS": [CHAT_TOKENS], "MIN_TOKENS": [CHAT_TOKENS],
+            })  # fmt: skip
+        streams.append(steps)
+    path.write_text(json.dumps({"data": streams}))
+    return path
+
+
+async def _live_conversations(server: LocalTriton) -> int:
+    """LIVE as the chat model reports it, read by a one-request conversation (START and END; counts itself)."""
+    async with Client(server.grpc_url, timeout_s=120) as client:
+        chat = await client.model("chat")
+        async with chat.sequence() as seq:
+            request = {
+                "ROLE": np.array([b"user"], dtype=np.object_),
+                "TEXT": np.array([b"Hi."], dtype=np.object_),
+                "MAX_TOKENS": np.array([1], np.int32),
+            }
+            results = [r async for r in seq.stream(request, end=True)]
+    return int(results[-1]["LIVE"][0, 0])
+
+
+async def test_drives_the_decoupled_chat_model_in_streaming_sequence_mode(
+    triton_server: LocalTriton, tmp_path: Path
+) -> None:
+    """perf_analyzer 2.38 runs chat conversations over the gRPC stream: no error, every streamed response counted.
+
+    Each turn streams CHAT_TOKENS responses and perf_analyzer waits for the final one before the next turn
+    of that conversation (2.34 did not: it took the first response as the end and sent the next turn on top
+    of a streaming one). It ends every conversation it started: the model holds none of them afterwards.
+    """
+    pa = ensure_perf_analyzer(version=DECOUPLED_VERSION)
+    before = await _live_conversations(triton_server)
+    args = [
+        "-m", "chat", "-u", f"127.0.0.1:{triton_server.grpc_port}", "-i", "grpc", "--streaming",
+        "--input-data", str(_chat_data(tmp_path / "chat.json")),
+        "--sequence-length", "3", "--sequence-length-variation", "0", "--sequence-id-range", "1000000000:1999999999",
+        "--concurrency-range", "4", "--measurement-mode", "count_windows", "--measurement-request-count", "12",
+        "--stability-percentage", "1000",
+    ]  # fmt: skip
+    result = await arun_perf_analyzer(pa, args, timeout_s=300)
+    assert result.errors == 0
+    assert result.concurrency == 4
+    assert result.throughput_infer_s > 0
+    assert result.server_inference_count > 0
+    # Responses are counted per request, over the same requests as the turns: exactly CHAT_TOKENS per turn.
+    assert result.response_throughput_s == pytest.approx(CHAT_TOKENS * result.throughput_infer_s, rel=1e-3)
+    assert 0 < result.p50_latency_us <= result.p99_latency_us
+    assert await _live_conversations(triton_server) == before
+
+
+def test_parse_report_reads_response_throughput() -> None:
+    """2.38's report has a Response Throughput column for decoupled models; older reports read as 0.0."""
+    header = "Concurrency,Inferences/Second,Response Throughput,p50 latency,p90 latency,p95 latency,p99 latency\n"
+    result = parse_report(header + "4,44.9493,359.595,87017,104994,110922,123807\n", "")
+    assert (result.throughput_infer_s, result.response_throughput_s) == (44.9493, 359.595)
+    old = parse_report("Concurrency,Inferences/Second,p50 latency\n2,10.5,900\n", "")
+    assert old.response_throughput_s == 0.0

@@ -6,6 +6,13 @@ binary at ``tritonclient-2.34.0.data/data/bin/perf_analyzer``. It links ``libb64
 ``nvidia_pytriton.libs/``, so symlinks with the sonames in the cache folder plus ``LD_LIBRARY_PATH`` are
 all it needs. ``$PERF_ANALYZER`` names an existing binary instead (e.g. the one in Triton's SDK image).
 
+Decoupled models (several responses per request, e.g. a chat model streaming tokens) need
+``version=DECOUPLED_VERSION``: 2.34's load generator takes *every* response as the end of a request, so it
+sends a sequence's next step while the previous one still streams and its concurrency runs away. 2.38
+(the first release with decoupled support) waits for the final response, measures latency to the last
+response and reports a response throughput. Its wheel carries the binary at the same place, and it needs
+the same two libraries from nvidia-pytriton.
+
 Dev tooling, not part of the installed package: used by the benchmarks in ``bench/`` and by tests that load
 the real server (both put the repository root on ``sys.path``).
 """
@@ -35,6 +42,7 @@ import attrs
 from triton_npu_client._local._server import _bundled_root
 
 __all__ = [
+    "DECOUPLED_VERSION",
     "PerfAnalyzer",
     "PerfAnalyzerError",
     "PerfAnalyzerUnavailable",
@@ -47,9 +55,10 @@ __all__ = [
 _log = logging.getLogger("triton_npu_client.perfanalyzer")
 
 TRITONCLIENT_VERSION = "2.34.0"
-# The only platform tag the 2.34.0 wheel is published under (checked on PyPI: py3-none-manylinux1_x86_64).
+# The first tritonclient whose perf_analyzer ends a decoupled request at its final response (see above).
+DECOUPLED_VERSION = "2.38.0"
+# The only platform tag these wheels are published under (checked on PyPI: py3-none-manylinux1_x86_64).
 _WHEEL_PLATFORM = "manylinux1_x86_64"
-_MEMBER = f"tritonclient-{TRITONCLIENT_VERSION}.data/data/bin/perf_analyzer"
 # soname the binary asks for -> glob of the hashed file auditwheel gave it inside nvidia_pytriton.libs/
 _LIBS = {"libb64.so.0d": "libb64-*.so.0d", "libcudart.so.12": "libcudart-*.so.12*"}
 _THREAD_ERROR = re.compile(r"^Thread \[\d+\] had error", re.MULTILINE)
@@ -72,19 +81,27 @@ class PerfAnalyzerUnavailable(PerfAnalyzerError):
     """``perf_analyzer`` cannot be provided on this machine (no download, not x86_64 Linux, libraries missing)."""
 
 
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/triton-npu-client/perf_analyzer-2.34.0`` (``~/.cache`` by default)."""
+def default_cache_dir(version: str = TRITONCLIENT_VERSION) -> Path:
+    """``$XDG_CACHE_HOME/triton-npu-client/perf_analyzer-<version>`` (``~/.cache`` by default)."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "triton-npu-client" / f"perf_analyzer-{TRITONCLIENT_VERSION}"
+    return base / "triton-npu-client" / f"perf_analyzer-{version}"
+
+
+def _member(version: str) -> str:
+    return f"tritonclient-{version}.data/data/bin/perf_analyzer"
 
 
 @attrs.frozen(kw_only=True)
 class PerfAnalyzer:
-    """A runnable ``perf_analyzer``: the binary, and the full environment to run it with."""
+    """A runnable ``perf_analyzer``: the binary, and the full environment to run it with.
+
+    ``version`` is the tritonclient release it came from; None for a binary named by ``$PERF_ANALYZER``.
+    """
 
     binary: Path
     # The whole process environment (with LD_LIBRARY_PATH set), hence kept out of the repr.
     env: dict[str, str] = attrs.field(repr=False)
+    version: str | None = None
 
     def command(self, args: Sequence[str]) -> list[str]:
         """The argv for running it with ``args``."""
@@ -95,8 +112,10 @@ class PerfAnalyzer:
 class PerfResult:
     """One load level measured by ``perf_analyzer`` (the last row of its CSV report).
 
-    Latencies are client-side, in microseconds. ``server_inference_count`` / ``server_execution_count``
-    come from the server statistics perf_analyzer prints for the measured window (0 when absent).
+    Latencies are client-side, in microseconds (for a decoupled model under 2.38, to a request's last
+    response). ``response_throughput_s`` counts every response of a decoupled model (0.0 when the report has
+    no such column: before 2.38). ``server_inference_count`` / ``server_execution_count`` come from the
+    server statistics perf_analyzer prints for the measured window (0 when absent).
     """
 
     concurrency: int
@@ -108,6 +127,7 @@ class PerfResult:
     errors: int
     server_inference_count: int = 0
     server_execution_count: int = 0
+    response_throughput_s: float = 0.0
     output: str = attrs.field(default="", repr=False)
 
     @property
@@ -131,10 +151,10 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _check_platform() -> None:
+def _check_platform(version: str) -> None:
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise PerfAnalyzerUnavailable(
-            f"perf_analyzer {TRITONCLIENT_VERSION} from PyPI exists for x86_64 Linux only "
+            f"perf_analyzer {version} from PyPI exists for x86_64 Linux only "
             f"(this is {sys.platform}/{platform.machine()}); set PERF_ANALYZER to a binary built for this machine"
         )
 
@@ -162,30 +182,31 @@ def _link_libs(cache: Path) -> None:
         os.replace(tmp, link)
 
 
-def _download_binary(cache: Path) -> Path:
+def _download_binary(cache: Path, version: str) -> Path:
     target = cache / "perf_analyzer"
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--platform", _WHEEL_PLATFORM, "--dest", tmp, "--quiet",
-            f"tritonclient=={TRITONCLIENT_VERSION}",
+            f"tritonclient=={version}",
         ]  # fmt: skip
         _log.debug("downloading perf_analyzer: %s", cmd)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         except subprocess.TimeoutExpired as err:
-            raise PerfAnalyzerUnavailable("downloading the tritonclient 2.34.0 wheel timed out") from err
-        wheels = sorted(Path(tmp).glob(f"tritonclient-{TRITONCLIENT_VERSION}-*.whl"))
+            raise PerfAnalyzerUnavailable(f"downloading the tritonclient {version} wheel timed out") from err
+        wheels = sorted(Path(tmp).glob(f"tritonclient-{version}-*.whl"))
         if proc.returncode != 0 or not wheels:
             raise PerfAnalyzerUnavailable(
-                f"could not download tritonclient=={TRITONCLIENT_VERSION} ({_WHEEL_PLATFORM}) with pip "
+                f"could not download tritonclient=={version} ({_WHEEL_PLATFORM}) with pip "
                 f"(exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
             )
+        member = _member(version)
         try:
-            with zipfile.ZipFile(wheels[0]) as zf, zf.open(_MEMBER) as src, open(Path(tmp) / "pa", "wb") as dst:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(member) as src, open(Path(tmp) / "pa", "wb") as dst:
                 shutil.copyfileobj(src, dst)
         except (KeyError, zipfile.BadZipFile) as err:
-            raise PerfAnalyzerUnavailable(f"{wheels[0].name} has no usable {_MEMBER}") from err
+            raise PerfAnalyzerUnavailable(f"{wheels[0].name} has no usable {member}") from err
         staged = Path(tmp) / "pa"
         staged.chmod(staged.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         os.replace(staged, target)
@@ -199,11 +220,13 @@ def _env_for(lib_dir: Path | None) -> dict[str, str]:
     return env
 
 
-def ensure_perf_analyzer(cache_dir: Path | None = None) -> PerfAnalyzer:
+def ensure_perf_analyzer(cache_dir: Path | None = None, *, version: str = TRITONCLIENT_VERSION) -> PerfAnalyzer:
     """Return a runnable ``perf_analyzer``, downloading and preparing it once per cache folder.
 
-    Idempotent and safe under concurrent callers. Raises :class:`PerfAnalyzerUnavailable` when it
-    cannot be provided (no network, not x86_64 Linux, nvidia-pytriton missing).
+    ``version``: the tritonclient wheel to take it from (``DECOUPLED_VERSION`` for decoupled models); each
+    version has its own default cache folder. ``$PERF_ANALYZER`` overrides both. Idempotent and safe under
+    concurrent callers. Raises :class:`PerfAnalyzerUnavailable` when it cannot be provided (no network,
+    not x86_64 Linux, nvidia-pytriton missing).
     """
     explicit = os.environ.get("PERF_ANALYZER")
     if explicit:
@@ -211,15 +234,15 @@ def ensure_perf_analyzer(cache_dir: Path | None = None) -> PerfAnalyzer:
         if not os.access(path, os.X_OK):
             raise PerfAnalyzerUnavailable(f"PERF_ANALYZER={explicit} is not an executable file")
         return PerfAnalyzer(binary=path, env=_env_for(None))
-    _check_platform()
-    cache = (cache_dir or default_cache_dir()).expanduser().resolve()
+    _check_platform(version)
+    cache = (cache_dir or default_cache_dir(version)).expanduser().resolve()
     with _locked(cache):
         target = cache / "perf_analyzer"
         if not target.is_file():
-            _download_binary(cache)
+            _download_binary(cache, version)
         # Re-linked every time: cheap, and follows an upgraded nvidia-pytriton whose hashed names changed.
         _link_libs(cache)
-    return PerfAnalyzer(binary=target, env=_env_for(cache))
+    return PerfAnalyzer(binary=target, env=_env_for(cache), version=version)
 
 
 def _int(value: str) -> int:
@@ -241,6 +264,7 @@ def parse_report(csv_text: str, output: str) -> PerfResult:
             p95_latency_us=_int(row.get("p95 latency", "")),
             p99_latency_us=_int(row.get("p99 latency", "")),
             errors=len(_THREAD_ERROR.findall(output)),
+            response_throughput_s=float(row.get("Response Throughput", "").strip() or 0.0),
             output=output,
         )
     except (KeyError, ValueError) as err:
