@@ -256,6 +256,13 @@ class BlackholeProxy:
                 sink.close()
 
 
+async def _answers(client: Client) -> bool:
+    try:
+        return await client.is_server_live(timeout_s=2.0)
+    except TransportError:
+        return False
+
+
 async def test_keepalive_fails_a_request_pending_on_a_silent_connection(triton_server: LocalTriton) -> None:
     """A connection that goes silent (no FIN, no RST) fails the request pending on the shared stream with a
     transport error once a keepalive ping goes unanswered; the next request reconnects and succeeds."""
@@ -278,6 +285,11 @@ async def test_keepalive_fails_a_request_pending_on_a_silent_connection(triton_s
         async with asyncio.timeout(SAFETY_NET_S):
             with pytest.raises(TransportError):
                 await waiting
+        # The channel reconnects in the background; a request sent while the dead connection is still closing
+        # may fail too (gRPC's own behaviour), so wait until the server answers again, as for a restart.
+        async with asyncio.timeout(SAFETY_NET_S):
+            while not await _answers(client):
+                await asyncio.sleep(0.05)
         again = await client.transport.call(
             scale.request(INPUT0=np.ones(2, np.float32)), timeout_s=SAFETY_NET_S, route="shared"
         ).single()
