@@ -111,7 +111,8 @@ class ChatResponse:
     """One streamed response of a turn: the new bytes of the reply and where the conversation stands.
 
     ``piece`` may cut a multi-byte UTF-8 character (the client decodes incrementally). ``finish`` is
-    empty while the turn streams and says why it ended on its last response.
+    empty while the turn streams and says why it ended on its last response. ``live`` and ``kv_bytes``
+    are filled on that last response only (0 before).
     """
 
     piece: bytes
@@ -599,8 +600,9 @@ class ChatEngine:
             prompt_tokens=prompt,
             context_tokens=context,
             dropped=dropped,
-            live=self.live,
-            kv_bytes=self.kv_bytes,
+            # Summed over every live conversation: worth it only where it is read, on a turn's last response.
+            live=self.live if finish else 0,
+            kv_bytes=self.kv_bytes if finish else 0,
         )
 
 
