@@ -9,7 +9,7 @@ For every turn it prints the reply as it streams, then two rows:
   only its new message;
 - **resent**: the same turn sent to `chat_stateless` (same weights, keeps nothing) with the whole history,
   as chat over Triton is served today: the server prefills everything again, every turn.
-Both get the same messages and give the same greedy reply; the demo checks it.
+Both get the same messages and seed and give the same reply; the demo checks it.
 """
 
 from __future__ import annotations
@@ -32,14 +32,20 @@ TURNS = [
     "Have you had a letter from your sister?",
 ]
 MAX_TOKENS = 40
+# Sampled, with a seed per turn: greedy decoding makes a model this small repeat itself ("I am sure, I am
+# sure..."). The same seed gives the same reply, so both ways of serving the turn can still be compared.
+TEMPERATURE, TOP_P = 0.8, 0.9
 
 
-async def resend(twin: Model, history: list[ChatMessage]) -> tuple[str, float, int]:
+async def resend(twin: Model, history: list[ChatMessage], seed: int) -> tuple[str, float, int]:
     """One turn on the stateless twin with the whole history: (reply, time to first piece, tokens prefilled)."""
     inputs = {
         "ROLE": np.array([m.role.encode() for m in history], dtype=np.object_),
         "TEXT": np.array([m.text.encode() for m in history], dtype=np.object_),
         "MAX_TOKENS": np.array([MAX_TOKENS], np.int32),
+        "TEMPERATURE": np.array([TEMPERATURE], np.float32),
+        "TOP_P": np.array([TOP_P], np.float32),
+        "SEED": np.array([seed], np.int64),
     }
     start = time.perf_counter()
     first: float | None = None
@@ -58,20 +64,25 @@ async def resend(twin: Model, history: list[ChatMessage]) -> tuple[str, float, i
 async def run_demo(client: Client, *, turns: int = len(TURNS)) -> None:
     """The scripted conversation on ``client`` (a gRPC client on a server with `chat` and `chat_stateless`)."""
     twin = await client.model("chat_stateless")
-    print(f"\nA chat with the demo model ({turns} turns, greedy, up to {MAX_TOKENS} tokens a reply)")
+    print(
+        f"\nA chat with the demo model ({turns} turns, temperature {TEMPERATURE}, top_p {TOP_P}, a seed per turn, "
+        f"up to {MAX_TOKENS} tokens a reply)"
+    )
     print(f"system: {SYSTEM}")
     rows = []
-    async with client.chat("chat", system=SYSTEM, max_tokens=MAX_TOKENS) as chat:
-        for text in TURNS[:turns]:
+    async with client.chat(
+        "chat", system=SYSTEM, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, top_p=TOP_P
+    ) as chat:
+        for seed, text in enumerate(TURNS[:turns], start=1):
             print(f"\nuser: {text}\nmodel: ", end="", flush=True)
-            async for piece in chat.send(text):
+            async for piece in chat.send(text, seed=seed):
                 print(piece, end="", flush=True)
             print()
             reply = chat.last_reply
             assert reply is not None
             # The same turn the stateless way: everything the conversation holds, sent and prefilled again.
             history = [*chat.messages[:-1]]
-            again, resent_ttft, resent_prompt = await resend(twin, history)
+            again, resent_ttft, resent_prompt = await resend(twin, history, seed)
             if again != reply.text:
                 raise SystemExit(f"the stateless twin replied differently: {again!r} != {reply.text!r}")
             kept_ttft = reply.time_to_first_token_s or 0.0

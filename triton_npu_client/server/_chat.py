@@ -152,6 +152,9 @@ class ChatTokenizer:
 
         path = Path(path)
         self._tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+        # Text is text: a user who types "<|end|>" gets those characters, never the special token (which would
+        # let a message forge the end of a turn or another role's message).
+        self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
         missing = [t for t in self.SPECIAL if t not in vocab]
         if missing:
