@@ -154,6 +154,7 @@ class Rig:
             final_flag=FINAL,
             error_response=lambda message: ("error", message),
             clock=self.clock,
+            cancel_check_every=1,  # every turn asked every pass: tests cancel at an exact pass
             start=False,
         )
         self.started: set[int] = set()

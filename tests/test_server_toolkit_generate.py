@@ -116,6 +116,8 @@ class Model:
 
 
 def make_loop(model: Model, clock: FakeClock | None = None, **kwargs: Any) -> StepLoop[Job]:
+    # Every stream asked every pass unless a test says otherwise (the rotation has its own test).
+    kwargs.setdefault("cancel_check_every", 1)
     return StepLoop(
         step=model.step,
         admit=model.admit,
@@ -327,8 +329,11 @@ def test_a_broken_sender_or_is_cancelled_ends_only_its_stream() -> None:
     assert fine.responses == [(3, 1), (3, 2)]
 
 
-def test_threaded_loop_streams_concurrently_and_stops_a_cancelled_stream_within_one_step() -> None:
-    """On its thread: a cancelled endless stream gets at most one more response, a finite one completes."""
+def test_threaded_loop_streams_concurrently_and_stops_a_cancelled_stream_within_a_pass() -> None:
+    """On its thread: a cancelled endless stream gets at most one more response, a finite one completes.
+
+    Alone in the loop, the stream is asked every pass (a share of one stream is the stream).
+    """
     model = Model()
     loop = StepLoop(
         step=model.step,
@@ -343,14 +348,74 @@ def test_threaded_loop_streams_concurrently_and_stops_a_cancelled_stream_within_
         loop.submit(1, endless, Job(10**9, wait_s=0.001))
         loop.submit(2, finite, Job(50, wait_s=0.001))
         assert finite.final.wait(DEADLINE_S)
+        endless.cancel = True
         seen = len(endless.responses)
         assert seen >= 1
-        endless.cancel = True
         assert endless.final.wait(DEADLINE_S)
         assert len(endless.responses) <= seen + 1  # a pass already past its check may send one more
         assert loop.cancelled == 1
         assert finite.responses == [(2, i) for i in range(1, 51)]
         assert loop.active == 0
+    finally:
+        loop.close()
+
+
+def test_each_running_stream_is_asked_once_in_cancel_check_every_passes() -> None:
+    """is_cancelled() is a round trip to Triton's process: each pass asks a rotating quarter of the streams."""
+    model = Model()
+    loop = make_loop(model, start=False, cancel_check_every=4)
+
+    class Counting(FakeSender):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked = 0
+
+        def is_cancelled(self) -> bool:
+            self.asked += 1
+            return self.cancel
+
+    senders = [Counting() for _ in range(8)]
+    for key, sender in enumerate(senders, start=1):
+        loop.submit(key, sender, Job(100))
+    loop.run_pass()  # arrivals: every one asked once
+    assert [s.asked for s in senders] == [1] * 8
+    for _ in range(4):
+        loop.run_pass()  # 2 of 8 per pass: each asked once more over 4 passes
+    assert [s.asked for s in senders] == [2] * 8
+    victim = senders[3]
+    victim.cancel = True
+    for passes in range(1, 5):
+        loop.run_pass()
+        if victim.final.is_set():
+            break
+    assert victim.final.is_set()
+    assert passes <= 4
+    assert loop.cancelled == 1
+    assert not any(s.final.is_set() for s in senders if s is not victim)
+
+
+def test_background_sends_keep_each_streams_order_and_final_last() -> None:
+    """With sends on the outbox thread, every stream still gets its responses in order, FINAL last and once."""
+    model = Model()
+    loop = StepLoop(
+        step=model.step,
+        admit=model.admit,
+        on_exit=model.on_exit,
+        final_flag=FINAL,
+        error_response=lambda message: ("error", message),
+        name="test-step-loop-outbox",
+    )
+    try:
+        senders = [FakeSender() for _ in range(8)]
+        for key, sender in enumerate(senders, start=1):
+            loop.submit(key, sender, Job(30))
+        for sender in senders:
+            assert sender.final.wait(DEADLINE_S)
+        for key, sender in enumerate(senders, start=1):
+            assert sender.responses == [(key, i) for i in range(1, 31)]
+            assert sender.flags[-1] == FINAL
+            assert sender.flags.count(FINAL) == 1
+            assert sender.after_final == []
     finally:
         loop.close()
 
@@ -412,8 +477,9 @@ def test_a_step_of_a_busy_sequence_waits_for_the_previous_one_within_the_grace()
     try:
         old = FakeSender()
         assert loop.submit(7, old, Job(3, wait_s=0.0)) is None
-        assert loop.submit(7, FakeSender(), Job(1)) is None  # waited for the old step's FINAL
-        assert old.final.is_set()
+        assert loop.submit(7, FakeSender(), Job(1)) is None  # waited for the old step to finish
+        # Its FINAL leaves from the outbox thread, ahead of anything the new step sends.
+        assert old.final.wait(DEADLINE_S)
         assert old.responses == [(7, 1), (7, 2), (7, 3)]
     finally:
         loop.close()
