@@ -167,6 +167,71 @@ async def ttft_at_turn(chat: Model, twin: Model, turns: int, tokens: int) -> tup
     return kept_ttft, resent_ttft, context
 
 
+def in_process(tokens: int, chats: int) -> dict[str, float]:
+    """The engine alone (no Triton, no gRPC, no client), one torch thread as the server's instance uses.
+
+    Returns ms per pass for 1 and ``chats`` conversations, and ms per one-row forward at 16 and 1,024 positions:
+    the floor the server-side numbers above stand on.
+    """
+    import torch
+
+    from triton_npu_client.server import (
+        ChatEngine,
+        ChatTokenizer,
+        KVCache,
+        SequenceSlots,
+        StepLoop,
+        gpt2_forward,
+        load_gpt2,
+    )
+
+    torch.set_num_threads(1)
+    model = load_gpt2(CHECKPOINT)
+    tokenizer = ChatTokenizer(CHECKPOINT)
+
+    class Sender:
+        done = False
+
+        def send(self, response: object = None, flags: int = 0) -> None:
+            self.done = self.done or bool(flags & 1)
+
+        def is_cancelled(self) -> bool:
+            return False
+
+    out: dict[str, float] = {}
+    for rows in (1, chats):
+        cache = KVCache.allocate(model, slots=rows, max_ctx=1280)
+        engine = ChatEngine(
+            model, tokenizer, cache, SequenceSlots(capacity=rows, idle_timeout_s=600),
+            respond=lambda r: r, refuse=lambda kind, message: (kind, message),
+        )
+        loop: StepLoop[object] = StepLoop(
+            step=engine.step, admit=engine.admit, on_exit=engine.on_exit, final_flag=1,  # type: ignore[arg-type]
+            error_response=lambda m: m, start=False,
+        )
+        senders = [Sender() for _ in range(rows)]
+        for key, sender in enumerate(senders, start=1):
+            turn = engine.parse(start=True, end=False, roles=["user"], texts=[QUESTIONS[key % len(QUESTIONS)]],
+                                max_tokens=tokens, min_tokens=tokens)
+            loop.submit(key, sender, turn)
+        loop.run_pass()  # admission (prefill) and the first token
+        start, passes = time.perf_counter(), 0
+        while not all(s.done for s in senders):
+            loop.run_pass()
+            passes += 1
+        out[f"pass_{rows}"] = (time.perf_counter() - start) / passes * 1e3
+    for history in (16, 1024):
+        cache = KVCache.allocate(model, slots=1, max_ctx=1280)
+        gpt2_forward(model, cache, [0], torch.randint(0, 4000, (1, history)))
+        token = torch.tensor([[5]])
+        start = time.perf_counter()
+        for _ in range(100):
+            gpt2_forward(model, cache, [0], token)
+            cache.lengths[0] -= 1  # the same position again: the history stays this long
+        out[f"forward_{history}"] = (time.perf_counter() - start) / 100 * 1e3
+    return out
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
@@ -231,6 +296,22 @@ async def main(args: argparse.Namespace) -> int:
     )
     speed = ratio(med(resent), med(kept))
     print(f"\nkept vs resent: **{speed:.1f}x faster** (goal >= 5x: {'met' if speed >= 5 else 'NOT met'})\n")
+    if not args.no_in_process:
+        alone = in_process(args.tokens, args.chats)
+        print("## The engine alone, in process (no Triton, gRPC or client; one torch thread)\n")
+        print("| measurement | ms | ratio |")
+        print("|---|---|---|")
+        print(f"| one-row forward, 16 positions of history | {alone['forward_16']:.2f} | |")
+        print(
+            f"| one-row forward, 1,024 positions of history | {alone['forward_1024']:.2f} | "
+            f"{ratio(alone['forward_1024'], alone['forward_16']):.2f}x |"
+        )
+        print(f"| pass (sample + decode), 1 conversation | {alone['pass_1']:.2f} | |")
+        per_token = ratio(alone["pass_1"] * args.chats, alone[f"pass_{args.chats}"])
+        print(
+            f"| pass (sample + decode), {args.chats} conversations | {alone[f'pass_{args.chats}']:.2f} | "
+            f"{per_token:.1f}x the tokens/s of one |\n"
+        )
     print(
         f"Run: `{' '.join(['.venv/bin/python', 'bench/chat.py', *sys.argv[1:]])}` on {platform.node()} "
         f"({platform.processor() or platform.machine()}), Python {platform.python_version()}, "
@@ -246,6 +327,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="tokens each measured turn generates")
     p.add_argument("--chats", type=int, default=32)
     p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--no-in-process", action="store_true", help="skip the engine-alone table")
     return p.parse_args(argv)
 
 

@@ -126,3 +126,21 @@ def test_chat_device_check_fails_for_an_absent_device() -> None:
     proc = _device_check("--device", "npu", "--conversations", "1", "--tokens", "1")
     assert proc.returncode == 2
     assert proc.stdout.startswith("FAIL: device 'npu' was forced")
+
+
+def test_chat_bench_quick(triton_server: LocalTriton) -> None:
+    """bench/chat.py prints its three server tables and the engine-alone table, with a ratio against each goal."""
+    proc = _run(
+        ["bench/chat.py", "--url", triton_server.grpc_url, "--repeats", "1", "--tokens", "8", "--chats", "4",
+         "--turns", "3"],
+        timeout_s=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for goal in ("goal <= 1.3x", "goal >= 8x", "goal >= 5x"):
+        assert re.search(rf"\*\*[\d.]+x[^*]*\*\* \({goal}: (met|NOT met)\)", out), goal
+    assert "## The engine alone, in process" in out
+    # Every measured figure is a positive number.
+    figures = [float(m) for m in re.findall(r"\| ([\d.]+) \| [\d., ]+ \|", out)]
+    assert len(figures) >= 6
+    assert all(f > 0 for f in figures)
