@@ -418,7 +418,9 @@ class _Outbox:
     def wait_below(self, limit: int) -> None:
         """Block until fewer than ``limit`` responses wait (or the outbox closes)."""
         with self._cond:
-            while len(self._queue) >= max(limit, 1) and not self._closing:
+            # A dead sender thread (a bug) must not hang the loop: then the queue only grows, as it would
+            # without this limit.
+            while len(self._queue) >= max(limit, 1) and not self._closing and self._thread.is_alive():
                 self._cond.wait(_BUSY_POLL_S)
 
     def close(self, timeout_s: float) -> None:
