@@ -7,6 +7,7 @@ use it. torch is imported lazily, and only for an instance that may use an accel
 The one pb_utils-facing piece, :class:`RunningStatsModel`, takes that module as an argument.
 """
 
+from ._bert import BERT, BertConfig, load_bert, sentence_embeddings
 from ._chat import ChatEngine, ChatMessage, ChatResponse, ChatTokenizer, ChatTurn, TurnOptions
 from ._chat_model import ChatModel
 from ._config import SequenceBatching, model_parameter, parse_model_config
@@ -33,7 +34,9 @@ __all__ = [
     "FLAG_START",
     "SEQUENCE_BUSY",
     "Accelerators",
+    "BERT",
     "BatchPlan",
+    "BertConfig",
     "ChatEngine",
     "ChatMessage",
     "ChatModel",
@@ -62,11 +65,13 @@ __all__ = [
     "choose_device",
     "gpt2_forward",
     "instance_index",
+    "load_bert",
     "load_gpt2",
     "model_parameter",
     "parse_device_ids",
     "parse_model_config",
     "probe_accelerators",
     "read_controls",
+    "sentence_embeddings",
     "to_host",
 ]
