@@ -27,6 +27,7 @@ from triton_npu_client import (
     LocalTriton,
     Model,
     SequenceBusyError,
+    SequenceCapacityError,
     SequenceIdleWarning,
     SequenceLost,
     SequenceSession,
@@ -274,7 +275,10 @@ async def test_end_frees_the_conversations_cache(chat: Model) -> None:
 
 
 async def test_the_idle_sweep_frees_the_cache(tmp_path: Path) -> None:
-    """A conversation left idle past the timeout is swept: its cache is freed and its next turn is SequenceLost."""
+    """A conversation left idle past the timeout is swept: its cache is freed and its next turn is SequenceLost.
+
+    The copy holds 2 conversations at most: past that, a START is refused with the cap and what sets it.
+    """
     repo = tmp_path / "models"
     shutil.copytree(REPO / "chat", repo / "chat", ignore=shutil.ignore_patterns("__pycache__"))
     config = repo / "chat" / "config.pbtxt"
@@ -282,7 +286,7 @@ async def test_the_idle_sweep_frees_the_cache(tmp_path: Path) -> None:
     text = text.replace("max_sequence_idle_microseconds: 600000000", "max_sequence_idle_microseconds: 1000000")
     grace = '"sweep_grace_us" value: { string_value: '
     text = text.replace(grace + '"500000" }', grace + '"1" }')
-    text = text.replace('"max_sequences" value: { string_value: "64" }', '"max_sequences" value: { string_value: "4" }')
+    text = text.replace('"max_sequences" value: { string_value: "64" }', '"max_sequences" value: { string_value: "2" }')
     assert "1000000" in text
     config.write_text(text)
     async with LocalTriton(repo) as server, Client(server.grpc_url, timeout_s=60) as client:
@@ -300,3 +304,9 @@ async def test_the_idle_sweep_frees_the_cache(tmp_path: Path) -> None:
         with pytest.raises(SequenceLost), pytest.warns(SequenceIdleWarning):
             await turn(idle, ("user", QUESTIONS[1]), max_tokens=4)
         await idle.aclose()
+        async with chat.sequence() as first, chat.sequence() as second, chat.sequence() as third:
+            await turn(first, ("user", QUESTIONS[0]), max_tokens=2)
+            await turn(second, ("user", QUESTIONS[0]), max_tokens=2)
+            with pytest.raises(SequenceCapacityError, match=r"cap of 2 live sequences \(parameters max_sequences=2 and "
+                               r"max_cache_mb=1024"):
+                await turn(third, ("user", QUESTIONS[0]), max_tokens=2)
