@@ -23,6 +23,7 @@ RANK = {
     "_call": 3,
     "_sessions": 4,
     "_client": 5,
+    "_jobs": 6,
     "cli": 7,
     "__init__": 9,
     "__main__": 9,
