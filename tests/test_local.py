@@ -300,6 +300,21 @@ async def test_async_context_manager(tmp_path: Path) -> None:
     assert server.processes() == []
 
 
+async def test_explicit_mode_loads_only_the_models_asked_for(tmp_path: Path) -> None:
+    """``load_models``: the server is ready with those models loaded and the others of the repository not."""
+    _write_model(tmp_path, "echo", GOOD_MODEL)
+    _write_model(tmp_path, "other", GOOD_MODEL)
+    server = tnc.LocalTriton(tmp_path, model_control_mode="explicit", load_models=["echo"])
+    async with server, tnc.Client(server.grpc_url) as client:
+        index = {m.name: m.state for m in await client.repository_index()}
+        assert await client.is_model_ready("echo")
+        assert not await client.is_model_ready("other")
+    assert index["echo"] == "READY"
+    assert index["other"] != "READY"
+    with pytest.raises(ValueError, match="explicit"):
+        tnc.LocalTriton(tmp_path, load_models=["echo"])
+
+
 def test_model_load_failure_names_model(tmp_path: Path) -> None:
     """A model that fails to load raises ModelLoadError naming it, with the server's own lines."""
     _write_model(tmp_path, "good", GOOD_MODEL)

@@ -192,6 +192,7 @@ class LocalTriton:
         metrics_port: int | None = None,
         log_verbose: int = 0,
         model_control_mode: str = "none",
+        load_models: Sequence[str] | None = None,
         startup_timeout_s: float = 120.0,
         stop_grace_s: float = 10.0,
         extra_args: Sequence[str] = (),
@@ -205,6 +206,10 @@ class LocalTriton:
         self._ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
         self.log_verbose = log_verbose
         self.model_control_mode = model_control_mode
+        if load_models is not None and model_control_mode != "explicit":
+            raise ValueError("load_models needs model_control_mode='explicit'")
+        # Explicit mode only: the models to load at startup (an ensemble brings its composing models); all if None.
+        self.load_models = None if load_models is None else tuple(load_models)
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.extra_args = tuple(extra_args)
@@ -336,7 +341,8 @@ class LocalTriton:
             f"--exit-timeout-secs={max(1, int(self.stop_grace_s))}",
         ]
         if self.model_control_mode == "explicit":
-            args.append("--load-model=*")
+            names = ("*",) if self.load_models is None else self.load_models
+            args.extend(f"--load-model={name}" for name in names)
         args.extend(self.extra_args)
         return args, env
 
@@ -392,6 +398,8 @@ class LocalTriton:
         except (urllib.error.URLError, OSError, ValueError):
             return False
         for entry in index:
+            if not entry.get("state"):
+                continue  # never loaded: a model of the repository that explicit mode was not asked to load
             if entry.get("state") == "UNAVAILABLE" and entry.get("reason"):
                 raise ModelLoadError(
                     f"Model {entry['name']!r} failed to load: {entry['reason']}",
