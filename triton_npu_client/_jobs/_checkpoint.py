@@ -13,15 +13,27 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
-__all__ = ["CheckpointMismatch", "ResumableOutput"]
+import attrs
+
+__all__ = ["CheckpointMismatch", "ResumableOutput", "SavedCheckpoint"]
 
 
 class CheckpointMismatch(RuntimeError):
     """The checkpoint beside the output belongs to another job (its fingerprint differs)."""
+
+
+@attrs.frozen
+class SavedCheckpoint:
+    """A checkpoint as read back: the rows it covers, whether the job finished, and the writer's ``meta``."""
+
+    rows: int
+    complete: bool
+    meta: Mapping[str, Any]
 
 
 class ResumableOutput:
@@ -31,46 +43,79 @@ class ResumableOutput:
     ``commit(rows_done)`` whenever convenient (each commit costs two fsyncs), and ``close()`` once the last rows are
     committed (it marks the job complete); ``abandon()`` closes without committing.
     The checkpoint is ``<output>.checkpoint.json`` unless given; after a complete run it says ``"complete": true``.
+    ``path=None`` (then ``checkpoint_path`` is required) keeps no output file of its own: for a writer that makes its
+    own files durable before each commit and records what it needs in ``meta``.
+    ``commit(..., meta=...)`` stores a small JSON-able dict beside the counts (a writer's own state: a row shape, a
+    part count); ``open()`` gives it back as :attr:`meta`, and a commit without ``meta`` keeps the last one.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None,
         *,
         fingerprint: str,
         errors_path: str | os.PathLike[str] | None = None,
         checkpoint_path: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.path = Path(path)
+        self.path = None if path is None else Path(path)
         self.errors_path = None if errors_path is None else Path(errors_path)
-        self.checkpoint_path = (
-            Path(checkpoint_path)
-            if checkpoint_path is not None
-            else self.path.with_name(self.path.name + ".checkpoint.json")
-        )
+        if checkpoint_path is not None:
+            self.checkpoint_path = Path(checkpoint_path)
+        elif self.path is not None:
+            self.checkpoint_path = self.path.with_name(self.path.name + ".checkpoint.json")
+        else:
+            raise ValueError("without an output path, give checkpoint_path")
         self.fingerprint = fingerprint
         self.rows_done = 0
+        self.meta: dict[str, Any] = {}
+        self._opened = False
         self._out: IO[bytes] | None = None
         self._err: IO[bytes] | None = None
         self._dirty = False  # bytes written since the last commit
 
+    def saved(self) -> SavedCheckpoint | None:
+        """What the checkpoint says, touching no file; None when there is none.
+
+        Raises :class:`CheckpointMismatch` when the checkpoint belongs to another job.
+        """
+        state = self._checked_state()
+        if state is None:
+            return None
+        meta = state.get("meta")
+        return SavedCheckpoint(
+            rows=int(state["rows"]),
+            complete=bool(state.get("complete")),
+            meta=dict(meta) if isinstance(meta, dict) else {},
+        )
+
     def open(self) -> int:
         """Cut the files back to the last commit and return the rows it covers (0: a fresh start)."""
-        state = self._read_checkpoint()
+        state = self._checked_state()
         if state is None:
             out_size = err_size = 0
             self.rows_done = 0
+            self.meta = {}
         else:
-            if state.get("fingerprint") != self.fingerprint:
-                raise CheckpointMismatch(
-                    f"{self.checkpoint_path} belongs to another job (fingerprint {state.get('fingerprint')!r}, this "
-                    f"job's is {self.fingerprint!r}): remove it and {self.path} to start over, or use other paths"
-                )
             out_size, err_size, self.rows_done = int(state["out_bytes"]), int(state["err_bytes"]), int(state["rows"])
-        self._out = _open_at(self.path, out_size)
+            meta = state.get("meta")
+            self.meta = dict(meta) if isinstance(meta, dict) else {}
+        if self.path is not None:
+            self._out = _open_at(self.path, out_size)
         if self.errors_path is not None:
             self._err = _open_at(self.errors_path, err_size)
+        self._opened = True
         return self.rows_done
+
+    def _checked_state(self) -> dict[str, Any] | None:
+        state = self._read_checkpoint()
+        if state is not None and state.get("fingerprint") != self.fingerprint:
+            files = " and ".join(str(p) for p in (self.path, self.errors_path) if p is not None)
+            raise CheckpointMismatch(
+                f"{self.checkpoint_path} belongs to another job (fingerprint {state.get('fingerprint')!r}, this "
+                f"job's is {self.fingerprint!r}): remove it{' and ' + files if files else ''} to start over, or "
+                "use other paths"
+            )
+        return state
 
     def write(self, data: bytes) -> None:
         """Append output bytes (for example one JSON line per row)."""
@@ -86,9 +131,9 @@ class ResumableOutput:
         self._err.write(data)
         self._dirty = True
 
-    def commit(self, rows_done: int, *, complete: bool = False) -> None:
+    def commit(self, rows_done: int, *, complete: bool = False, meta: Mapping[str, Any] | None = None) -> None:
         """Make everything written so far durable, and record that the first ``rows_done`` input rows are in it."""
-        if self._out is None:
+        if not self._opened:
             raise RuntimeError("open() the output first")
         if rows_done < self.rows_done:
             raise ValueError(f"rows_done went back from {self.rows_done} to {rows_done}")
@@ -100,6 +145,7 @@ class ResumableOutput:
             handle.flush()
             os.fsync(handle.fileno())
             sizes.append(handle.tell())
+        saved_meta = dict(self.meta if meta is None else meta)
         # The data is on disk before the checkpoint that points to it: a crash between the two only loses work.
         state = {
             "fingerprint": self.fingerprint,
@@ -107,6 +153,7 @@ class ResumableOutput:
             "out_bytes": sizes[0],
             "err_bytes": sizes[1],
             "complete": complete,
+            "meta": saved_meta,
         }
         tmp = self.checkpoint_path.with_name(self.checkpoint_path.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -116,11 +163,12 @@ class ResumableOutput:
         os.replace(tmp, self.checkpoint_path)
         _fsync_dir(self.checkpoint_path.parent)
         self.rows_done = rows_done
+        self.meta = saved_meta
         self._dirty = False
 
     def close(self) -> None:
         """Mark the job complete and close the files. Everything written must be committed first."""
-        if self._out is not None:
+        if self._opened:
             if self._dirty:
                 raise RuntimeError("bytes were written after the last commit(rows_done): commit them before close()")
             self.commit(self.rows_done, complete=True)
@@ -135,6 +183,7 @@ class ResumableOutput:
             if handle is not None:
                 handle.close()
         self._out = self._err = None
+        self._opened = False
 
     @property
     def complete(self) -> bool:
