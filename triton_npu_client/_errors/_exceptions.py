@@ -73,6 +73,8 @@ __all__ = [
     "StubNotFound",
     "TransportError",
     "TritonError",
+    "JobAborted",
+    "RowParseError",
     "UnknownInputError",
     "UnknownOutputError",
     "UsageError",
@@ -252,6 +254,17 @@ class SequenceClosedError(UsageError, RuntimeError):
 
 class SequenceUsageError(UsageError, ValueError):
     """A sequence was opened wrongly: the model is not stateful, or the given sequence id is invalid for it."""
+
+
+class RowParseError(UsageError, ValueError):
+    """A row of a scoring job's input file could not be read; the message names the line and the parse error."""
+
+
+# --- a job that stopped ------------------------------------------------------------------
+
+
+class JobAborted(TritonError):
+    """A scoring job stopped: the server stayed unreachable past its patience. Re-run it to resume."""
 
 
 # --- starting a local server ----------------------------------------------------------
