@@ -60,6 +60,8 @@ if _typing.TYPE_CHECKING:
         ModelStatistics,
         RepositoryModel,
         ServerMetadata,
+        SharedMemoryPool,
+        SharedMemoryStats,
     )
     from ._jobs import (
         ScoredRow,
@@ -109,6 +111,8 @@ _LAZY: dict[str, str] = {
     "ModelStatistics": "._client",
     "RepositoryModel": "._client",
     "ServerMetadata": "._client",
+    "SharedMemoryPool": "._client",
+    "SharedMemoryStats": "._client",
     "Coalescing": "._call",
     "LocalTriton": "._local",
     "default_model_repository": "._local",
@@ -212,6 +216,8 @@ __all__ = [
     "ServerMetadata",
     "ServerStartTimeout",
     "ServerUnavailable",
+    "SharedMemoryPool",
+    "SharedMemoryStats",
     "StubNotFound",
     "TLSConfig",
     "TensorSpec",

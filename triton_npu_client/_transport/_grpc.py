@@ -9,6 +9,7 @@ dicts, the same shape tritonclient's ``as_json=True`` gives, with fields at thei
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -139,6 +140,7 @@ class GrpcTransport:
         self._own_stream = self._channel.stream_stream(
             METHOD, request_serializer=None, response_deserializer=service_pb2.ModelStreamInferResponse.FromString
         )
+        self._credentials = creds  # kept for blocking_unregister's own channel
         self._streams = streams
         self._mux: StreamMultiplexer | None = None
         self._closed = False
@@ -283,6 +285,80 @@ class GrpcTransport:
         request = service_pb2.ModelStatisticsRequest(name=name, version=version)
         answer = await self._admin("ModelStatistics", request, timeout_s, model=name, version=version or None)
         return [dict(m) for m in _to_dict(answer).get("model_stats", ())]
+
+    # -- system shared memory ------------------------------------------------------------------------
+
+    async def infer_bytes(
+        self, payload: bytes, *, timeout_s: float | None, model: str, version: str = ""
+    ) -> service_pb2.ModelInferResponse:
+        """Send a serialised ``ModelInferRequest`` as is; the response protobuf as it came (errors mapped).
+
+        For requests whose tensors lie in shared memory: their outputs are read from the regions, not from
+        ``raw_output_contents``, so the caller decodes the response itself.
+        """
+        if self._closed:
+            raise ClientClosedError(f"the gRPC connection to {self.target} is closed")
+        try:
+            response: service_pb2.ModelInferResponse = await self._infer(
+                payload, metadata=self._metadata, timeout=timeout_s
+            )
+        except grpc.RpcError as err:
+            raise self._map(err, model=model, version=version or None) from err
+        return response
+
+    async def register_system_shared_memory(
+        self, name: str, key: str, byte_size: int, *, offset: int = 0, timeout_s: float | None
+    ) -> None:
+        """Register the POSIX shared-memory object ``key`` (``/name`` form) with the server as region ``name``."""
+        request = service_pb2.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset, byte_size=byte_size)
+        await self._admin("SystemSharedMemoryRegister", request, timeout_s)
+
+    async def unregister_system_shared_memory(self, name: str, *, timeout_s: float | None) -> None:
+        """Unregister region ``name``. An empty name is refused: Triton reads it as "every region"."""
+        if not name:
+            raise UsageError("unregister_system_shared_memory needs a region name (an empty one means all)")
+        request = service_pb2.SystemSharedMemoryUnregisterRequest(name=name)
+        await self._admin("SystemSharedMemoryUnregister", request, timeout_s)
+
+    async def system_shared_memory_status(self, *, timeout_s: float | None) -> list[Json]:
+        """Every registered system shared-memory region: dicts with name, key, offset, byte_size."""
+        answer = await self._admin("SystemSharedMemoryStatus", service_pb2.SystemSharedMemoryStatusRequest(), timeout_s)
+        return [dict(r) for r in _to_dict(answer).get("regions", {}).values()]
+
+    def blocking_unregister(self, names: Sequence[str], *, timeout_s: float) -> list[str]:
+        """Unregister regions over a short-lived blocking channel; the names that could not be. Never raises.
+
+        For exit hooks: when the interpreter exits, the event loop this transport's channel runs on is gone.
+        ``timeout_s`` bounds the whole attempt.
+        """
+        left = [n for n in names if n]
+        if not left:
+            return []
+        deadline = time.monotonic() + timeout_s
+        try:
+            if self._credentials is not None:
+                channel = grpc.secure_channel(self.target, self._credentials, options=self.channel_options)
+            else:
+                channel = grpc.insecure_channel(self.target, options=self.channel_options)
+        except Exception:  # an exit hook must not raise
+            return left
+        try:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            for name in list(left):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                request = service_pb2.SystemSharedMemoryUnregisterRequest(name=name)
+                try:
+                    stub.SystemSharedMemoryUnregister(request, metadata=self._metadata, timeout=remaining)
+                except grpc.RpcError as err:
+                    if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        break  # no server to ask: the next pool's sweep takes the rest
+                    continue
+                left.remove(name)
+        finally:
+            channel.close()
+        return left
 
     async def aclose(self) -> None:
         """Close the multiplexer (pending requests fail with ClientClosedError) and the channel; idempotent."""
