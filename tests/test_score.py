@@ -199,3 +199,21 @@ async def test_a_server_crash_and_restart_mid_job_loses_nothing(tmp_path: Path) 
     # The new server (its counters start at zero) served the requests that were in flight at the crash and the
     # rest of the job, each exactly once.
     assert stats.inference_count == 296
+
+
+async def test_shared_memory_gives_the_same_rows(triton_server: LocalTriton) -> None:
+    """score_rows(shared_memory=True): the same outputs as the plain path, and nothing left registered after."""
+    rows = [{"INPUT0": np.arange(1000, dtype=np.float32) + i} for i in range(50)]
+    async with Client(triton_server.grpc_url, timeout_s=60) as client:
+        model = await client.model("scale_fp32")
+        plain = await collect(score_rows(model, rows, concurrency=3, batch_size=8))
+        shm = await collect(score_rows(model, rows, concurrency=3, batch_size=8, shared_memory=True))
+        status = await client.transport.system_shared_memory_status(timeout_s=10)
+        left = [r["name"] for r in status if f"-{os.getpid()}-" in r["name"]]
+    assert [r.index for r in shm] == list(range(50))
+    for a, b in zip(plain, shm, strict=True):
+        assert a.outputs is not None
+        assert b.outputs is not None
+        np.testing.assert_array_equal(a.outputs["OUTPUT0"], b.outputs["OUTPUT0"])
+        np.testing.assert_array_equal(b.outputs["OUTPUT0"], 2 * rows[b.index]["INPUT0"])
+    assert left == []

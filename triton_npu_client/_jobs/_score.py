@@ -324,7 +324,7 @@ async def score_rows(
                 )
     pool = None
     if shared_memory:
-        from .._client._shm import SharedMemoryPool  # type: ignore[import-not-found,unused-ignore]
+        from .._client._shm import SharedMemoryPool
 
         pool = await SharedMemoryPool.open(model, slots=concurrency)
     sender = _Sender(model, outputs, timeout_s, patience_s, pool)
