@@ -70,6 +70,9 @@ if _typing.TYPE_CHECKING:
         score_rows,
         score_sync,
     )
+    from ._jobs._ray import (
+        RayScorer,
+    )
     from ._local import (
         LocalTriton,
         default_model_repository,
@@ -139,6 +142,7 @@ _LAZY: dict[str, str] = {
     "score": "._jobs",
     "score_rows": "._jobs",
     "score_sync": "._jobs",
+    "RayScorer": "._jobs._ray",
     "ControlInput": "._model",
     "ModelSpec": "._model",
     "SequenceSpec": "._model",
@@ -196,6 +200,7 @@ __all__ = [
     "ModelStatistics",
     "PermissionDeniedError",
     "PortInUseError",
+    "RayScorer",
     "RepositoryModel",
     "RequestTimeout",
     "RetryPolicy",
