@@ -819,7 +819,8 @@ class _JsonlWriter(_Writer):
             raise ValueError("an output named 'row' clashes with the row index in JSONL output: choose the outputs")
         record: dict[str, Any] = {"row": index}
         for name, value in outputs.items():
-            record[name] = _decoded(value.tolist())
+            # Only BYTES outputs (object arrays) hold bytes to decode; numbers go out as tolist() gives them.
+            record[name] = _decoded(value.tolist()) if value.dtype.kind in "OSV" else value.tolist()
         self._ckpt.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
         return None
 
