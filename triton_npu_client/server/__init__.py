@@ -23,6 +23,14 @@ from ._device import (
     probe_accelerators,
     to_host,
 )
+from ._encoder import (
+    EncoderModel,
+    SentenceEncoder,
+    SentenceEncoderConfig,
+    SentenceTokenizer,
+    TokenizerModel,
+    packaged_checkpoint,
+)
 from ._generate import SEQUENCE_BUSY, ExitReason, StepLoop, StepOutput, Stream
 from ._gpt2 import GPT2, GPT2Config, GPT2Layer, KVCache, load_gpt2
 from ._gpt2 import forward as gpt2_forward
@@ -44,6 +52,7 @@ __all__ = [
     "ChatTokenizer",
     "ChatTurn",
     "DeviceChoice",
+    "EncoderModel",
     "ExitReason",
     "GPT2",
     "GPT2Config",
@@ -53,12 +62,16 @@ __all__ = [
     "Refusal",
     "RunningMoments",
     "RunningStatsModel",
+    "SentenceEncoder",
+    "SentenceEncoderConfig",
+    "SentenceTokenizer",
     "SequenceBatching",
     "SequenceControls",
     "SequenceSlots",
     "StepLoop",
     "StepOutput",
     "Stream",
+    "TokenizerModel",
     "TurnOptions",
     "accelerator_possible",
     "activate",
@@ -68,6 +81,7 @@ __all__ = [
     "load_bert",
     "load_gpt2",
     "model_parameter",
+    "packaged_checkpoint",
     "parse_device_ids",
     "parse_model_config",
     "probe_accelerators",

@@ -10,12 +10,13 @@ torch is imported inside the functions, never at module level (see ``_gpt2``).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ._files import read_json_config
 
 if TYPE_CHECKING:
     import torch
@@ -73,10 +74,7 @@ class BertConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> BertConfig:
         """Read ``config.json``; ``path`` is the file or the checkpoint folder holding it."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_json_config(path))
 
 
 @dataclass(frozen=True)

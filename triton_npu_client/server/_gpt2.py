@@ -15,12 +15,13 @@ or a decode step (one token per row), each row starting at its own position.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ._files import read_json_config
 
 if TYPE_CHECKING:
     import torch
@@ -80,10 +81,7 @@ class GPT2Config:
     @classmethod
     def from_file(cls, path: str | Path) -> GPT2Config:
         """Read ``config.json``; ``path`` is the file or the checkpoint folder holding it."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_json_config(path))
 
 
 @dataclass(frozen=True)
