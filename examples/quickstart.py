@@ -5,7 +5,9 @@ one stateless request to ``scale_fp32`` (validated against the model's config be
 input refused with a typed error before anything crosses the network, one stateful session on
 ``seq_stats_oldest`` (running mean per sequence; START/END sent for you), and a scripted multi-turn chat
 on ``chat`` (``examples/chat_demo.py``: each turn's time to first token and tokens/s with the history kept
-on the server, next to the same turn resent in full to a stateless twin). Then it stops the server.
+on the server, next to the same turn resent in full to a stateless twin), and a small scoring job
+(``examples/nearest_neighbours.py``: 400 sentences embedded by the ``minilm`` encoder ensemble with ``score()``,
+then the nearest neighbours of a query). Then it stops the server.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 
 import numpy as np
 from chat_demo import run_demo  # examples/chat_demo.py, beside this file
+from nearest_neighbours import run_demo as run_scoring_demo  # examples/nearest_neighbours.py
 
 from triton_npu_client import Client, InputDtypeError, LocalTriton
 
@@ -46,6 +49,7 @@ async def main() -> None:
             raise SystemExit("unexpected sequence state")
 
         await run_demo(client)
+        await run_scoring_demo(client)
     print("server stopped")
 
 

@@ -46,6 +46,11 @@ def test_quickstart_main_job(tmp_path: Path) -> None:
     assert prefilled == sorted(prefilled)
     assert prefilled[-1] > prefilled[0]  # the stateless way prefills a growing history
     assert re.search(r"Turn 5: the first token came [\d.]+x sooner", out)
+    # The scoring job: every sentence embedded, and the neighbours of the query ranked by similarity.
+    assert re.search(r"scored 400 rows in [\d.]+ s \([\d,]+ rows/s\): 400 ok, 0 failed", out)
+    similarities = [float(m) for m in re.findall(r"^  (0\.\d{3})  ", out, re.M)]
+    assert len(similarities) == 5
+    assert similarities == sorted(similarities, reverse=True)
     assert out.rstrip().endswith("server stopped")
 
 
