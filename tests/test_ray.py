@@ -199,6 +199,44 @@ def test_map_batches_matches_score_rows_row_for_row(
     assert min(delta) > 0, f"a replica took no rows: {delta}"
 
 
+def test_the_minilm_ensemble_on_a_text_column(ray_runtime: None, triton_server: LocalTriton) -> None:
+    """A text column through the tokenizer -> encoder ensemble: the embeddings score_rows gives, a missing text
+    (null) refused alone, order kept."""
+    topics = ["the weather", "a football match", "stock prices", "a cat on a mat", "quantum physics", "bread"]
+    texts: list[str | None] = [f"sentence {i}: {' and '.join(topics[: 1 + i % 6])}." for i in range(60)]
+    texts[23] = None
+    url = triton_server.grpc_url
+
+    async def expected() -> list[ScoredRow]:
+        async with Client(url) as client:
+            model = await client.model("minilm")
+            return [s async for s in score_rows(model, [{"TEXT": t} for t in texts], concurrency=2, batch_size=8)]
+
+    want = asyncio.run(expected())
+    assert [i for i, s in enumerate(want) if not s.ok] == [23]
+    ds = ray.data.from_items([{"sentence": t} for t in texts], override_num_blocks=3)
+    out = ds.map_batches(
+        RayScorer,
+        fn_constructor_kwargs={"model": "minilm", "urls": url, "inputs": {"sentence": "TEXT"}, "batch_size": 8},
+        batch_format="numpy",
+        batch_size=20,
+        compute=ray.data.ActorPoolStrategy(size=2),
+    ).take_all()
+
+    assert [r["sentence"] for r in out] == texts
+    assert [r["error"] for r in out] == [describe(s) for s in want]
+    assert out[23]["error"].startswith("InputDtypeError")
+    got = np.stack([r["EMBEDDING"] for i, r in enumerate(out) if i != 23])
+    ref = np.stack([s.outputs["EMBEDDING"] for s in want if s.outputs is not None])
+    assert got.shape == (59, 384)
+    assert got.dtype == np.float32
+    # The encoder pads each request to its longest text, and requests are packed differently here than in the
+    # reference run: the same sentence may meet a different matmul shape, which moves the last float bits.
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
+    assert out[23]["EMBEDDING"].shape == (384,)
+    assert np.isnan(out[23]["EMBEDDING"]).all()
+
+
 def test_failover_mid_life_and_pickled_copies(triton_server: LocalTriton, replica: LocalTriton) -> None:
     """Called directly (no Ray): batches alternate between replicas; when one dies, its batch moves to the other
     and nothing is lost; a pickled copy works on its own; close() ends the loop thread."""
