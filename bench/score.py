@@ -1,0 +1,301 @@
+"""Scoring jobs measured side by side in one run: score() against perf_analyzer and a naive loop, memory, shm.
+
+    python bench/score.py                 # the full run (~10 min on 2 cores)
+    python bench/score.py --quick         # a smoke run of every section (tests use it)
+
+Sections (each prints a table):
+
+1. **Throughput.** The same model and batch shape driven three ways:
+   - ``score()``: the whole job, from a text/JSONL file to an ``.npy``/JSONL output file, at the concurrency where
+     perf_analyzer did best;
+   - ``score_rows()``: the same rows already in memory, results dropped (the engine without file I/O);
+   - NVIDIA's C++ ``perf_analyzer`` at concurrency 1, 2, 4 and 8 (its best is the yardstick; goal: score() >= 0.95x);
+   - a naive sequential ``tritonclient.grpc`` loop, one row per request.
+   Two models: ``minilm`` (the real encoder ensemble; every row the same sentence, so every batch has the same
+   shape), and ``scale_fp32`` (16 floats a row, almost no compute: the client's own cost shows).
+   Rounds rotate who goes first; the figures are medians of ``--rounds``.
+2. **Memory.** score() in a fresh process over 1,000 and 100,000 rows of ``scale_fp32``: the peak RSS (VmHWM) of
+   each (goal: 100k <= 1.2x 1k).
+3. **Shared memory.** ``score_rows`` over rows of ~1 MB (262,144 floats) of ``scale_fp32``, through system shared
+   memory and through the plain gRPC path, alternating rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.perf_analyzer import PerfAnalyzer, ensure_perf_analyzer, run_perf_analyzer
+from triton_npu_client import Client, LocalTriton, score, score_rows
+
+SENTENCE = "The morning was fine, and the whole party walked down to the sea to watch the ships come in."
+SHM_FLOATS = 262_144  # 1 MiB of FP32 per row
+
+
+# -- 1. throughput ------------------------------------------------------------------------------------------------
+
+
+def write_rows(path: Path, model: str, n: int) -> None:
+    with path.open("w") as f:
+        if model == "minilm":
+            for _ in range(n):
+                f.write(SENTENCE + "\n")
+        else:
+            row = json.dumps({"INPUT0": [float(i) for i in range(16)]})
+            for _ in range(n):
+                f.write(row + "\n")
+
+
+def source_name(model: str) -> str:
+    return "rows.txt" if model == "minilm" else "rows.jsonl"
+
+
+def perf_args(model: str, url: str, batch: int, concurrency: int, data: Path | None, interval_ms: int) -> list[str]:
+    args = [
+        "-m", model, "-u", url, "-i", "grpc", "-b", str(batch), "--concurrency-range", str(concurrency),
+        "--measurement-interval", str(interval_ms), "--stability-percentage", "1000",
+    ]  # fmt: skip
+    if model == "minilm":
+        assert data is not None
+        args += ["--input-data", str(data)]
+    else:
+        args += ["--shape", "INPUT0:16"]
+    return args
+
+
+def memory_rows(model: str, n: int) -> list[Any]:
+    if model == "minilm":
+        return [SENTENCE] * n
+    return [{"INPUT0": [float(i) for i in range(16)]}] * n
+
+
+async def time_score_rows(url: str, model: str, rows: list[Any], *, batch: int, concurrency: int) -> float:
+    """The engine alone: rows already in memory, results counted and dropped (no file read or written)."""
+    async with Client(f"grpc://{url}", timeout_s=120) as client:
+        handle = await client.model(model)
+        started = time.perf_counter()
+        ok = 0
+        async for scored in score_rows(handle, rows, batch_size=batch, concurrency=concurrency):
+            ok += scored.ok
+        elapsed = time.perf_counter() - started
+    if ok != len(rows):
+        raise SystemExit(f"score_rows failed {len(rows) - ok} rows")
+    return ok / elapsed
+
+
+async def time_score(url: str, model: str, source: Path, out: Path, *, batch: int, concurrency: int) -> float:
+    for leftover in out.parent.glob(out.name + "*"):
+        leftover.unlink()
+    async with Client(f"grpc://{url}", timeout_s=120) as client:
+        handle = await client.model(model)
+        started = time.perf_counter()
+        summary = await score(handle, source, out, batch_size=batch, concurrency=concurrency, progress=False)
+        elapsed = time.perf_counter() - started
+    if summary.rows_failed:
+        raise SystemExit(f"score() failed {summary.rows_failed} rows")
+    return summary.rows_ok / elapsed
+
+
+def naive_loop(url: str, model: str, n: int) -> float:
+    """One row per request, one request at a time: what a first script usually does."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    try:
+        if model == "minilm":
+            inp = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+            inp.set_data_from_numpy(np.array([[SENTENCE.encode()]], dtype=object))
+        else:
+            inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+            inp.set_data_from_numpy(np.arange(16, dtype=np.float32)[None])
+        started = time.perf_counter()
+        for _ in range(n):
+            client.infer(model, [inp])
+        return n / (time.perf_counter() - started)
+    finally:
+        client.close()
+
+
+def throughput(pa: PerfAnalyzer, url: str, folder: Path, ns: argparse.Namespace, model: str) -> dict[str, Any]:
+    batch = ns.batch
+    data = folder / "perf_data.json"
+    data.write_text(json.dumps({"data": [{"TEXT": {"content": [SENTENCE], "shape": [1]}}]}))
+    rows = ns.rows_minilm if model == "minilm" else ns.rows_scale
+    source = folder / f"{model}-{source_name(model)}"
+    write_rows(source, model, rows)
+    out = folder / f"{model}-out.{'npy' if model == 'minilm' else 'jsonl'}"
+    sweep = {}
+    for c in ns.concurrency:
+        result = run_perf_analyzer(pa, perf_args(model, url, batch, c, data, ns.interval_ms), timeout_s=600)
+        sweep[c] = result.throughput_infer_s  # perf_analyzer counts inferences: rows, not requests
+        print(f"  {model}: perf_analyzer c={c}: {sweep[c]:,.0f} rows/s", flush=True)
+    best = max(sweep, key=lambda c: sweep[c])
+    pa_runs, score_runs, engine_runs = [], [], []
+    in_memory = memory_rows(model, rows)
+    for r in range(ns.rounds):
+        # Rotate who goes first: a machine whose load drifts favours no contender.
+        order = ["pa", "score", "engine"]
+        order = order[r % 3:] + order[:r % 3]
+        for which in order:
+            if which == "pa":
+                result = run_perf_analyzer(pa, perf_args(model, url, batch, best, data, ns.interval_ms), timeout_s=600)
+                pa_runs.append(result.throughput_infer_s)
+            elif which == "score":
+                score_runs.append(asyncio.run(time_score(url, model, source, out, batch=batch, concurrency=best)))
+            else:
+                engine_runs.append(asyncio.run(time_score_rows(url, model, in_memory, batch=batch, concurrency=best)))
+        print(f"  {model} round {r + 1}: perf_analyzer {pa_runs[-1]:,.0f}, score() {score_runs[-1]:,.0f}, "
+              f"score_rows {engine_runs[-1]:,.0f} rows/s", flush=True)
+    naive = naive_loop(url, model, ns.naive_rows)
+    return {
+        "model": model, "best_c": best, "sweep": sweep, "pa": statistics.median(pa_runs),
+        "score": statistics.median(score_runs), "engine": statistics.median(engine_runs), "naive": naive,
+        "rows": rows,
+    }
+
+
+# -- 2. memory ----------------------------------------------------------------------------------------------------
+
+
+def peak_rss_child(url: str, rows: int, folder: Path) -> int:
+    """VmHWM (KiB) of a fresh process that scores ``rows`` rows of scale_fp32 from JSONL to JSONL."""
+    source = folder / f"rss-{rows}.jsonl"
+    write_rows(source, "scale_fp32", rows)
+    out = folder / f"rss-{rows}-out.jsonl"
+    code = (
+        "import asyncio, sys\n"
+        "from triton_npu_client import Client, score\n"
+        "async def main():\n"
+        f"    async with Client({url!r}, timeout_s=120) as c:\n"
+        "        m = await c.model('scale_fp32')\n"
+        f"        s = await score(m, {str(source)!r}, {str(out)!r}, concurrency=4, progress=False)\n"
+        f"        assert s.rows_ok == {rows}, s\n"
+        "asyncio.run(main())\n"
+        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+# -- 3. shared memory ---------------------------------------------------------------------------------------------
+
+
+def big_rows(n: int) -> Iterator[dict[str, np.ndarray]]:
+    base = np.arange(SHM_FLOATS, dtype=np.float32)
+    for i in range(n):
+        yield {"INPUT0": base + i}
+
+
+async def time_rows(url: str, n: int, *, shm: bool, batch: int, concurrency: int) -> float:
+    async with Client(url, timeout_s=120) as client:
+        model = await client.model("scale_fp32")
+        started = time.perf_counter()
+        count = 0
+        async for scored in score_rows(model, big_rows(n), batch_size=batch, concurrency=concurrency,
+                                       shared_memory=shm):
+            if not scored.ok or scored.outputs is None:
+                raise SystemExit(f"row {scored.index} failed: {scored.error}")
+            if scored.index % 50 == 0 and scored.outputs["OUTPUT0"][1] != 2 * (1 + scored.index):
+                raise SystemExit("wrong answer")
+            count += 1
+        return count / (time.perf_counter() - started)
+
+
+def shm_section(url: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
+    table = []
+    for batch in ns.shm_batches:
+        plain, shm = [], []
+        for r in range(ns.rounds):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            for use in order:
+                rate = asyncio.run(time_rows(url, ns.shm_rows, shm=use, batch=batch, concurrency=2))
+                (shm if use else plain).append(rate)
+        table.append({"batch": batch, "plain": statistics.median(plain), "shm": statistics.median(shm)})
+        print(f"  shm batch {batch}: plain {table[-1]['plain']:,.1f}, shm {table[-1]['shm']:,.1f} rows/s", flush=True)
+    return table
+
+
+# -- main ---------------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="score() vs perf_analyzer vs a naive loop; memory; shared memory")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, one round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rows-minilm", type=int, default=4000)
+    parser.add_argument("--rows-scale", type=int, default=200_000)
+    parser.add_argument("--naive-rows", type=int, default=1000)
+    parser.add_argument("--interval-ms", type=int, default=5000)
+    parser.add_argument("--rss-rows", type=int, nargs=2, default=[1_000, 100_000])
+    parser.add_argument("--shm-rows", type=int, default=240)
+    parser.add_argument("--shm-batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--models", nargs="+", default=["minilm", "scale_fp32"])
+    ns = parser.parse_args()
+    if ns.quick:
+        ns.rounds, ns.concurrency, ns.rows_minilm, ns.rows_scale, ns.naive_rows = 1, [2], 64, 2000, 20
+        ns.interval_ms, ns.rss_rows, ns.shm_rows, ns.shm_batches = 500, [100, 1000], 8, [4]
+    pa = ensure_perf_analyzer()
+    load = sorted({*ns.models, "scale_fp32"})
+    with tempfile.TemporaryDirectory(prefix="triton-npu-bench-") as tmp, LocalTriton(
+        model_control_mode="explicit", load_models=load
+    ) as server:
+        folder = Path(tmp)
+        url = server.grpc_url.removeprefix("grpc://")
+        print(f"server {server.grpc_url}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}", flush=True)
+        results = [throughput(pa, url, folder, ns, model) for model in ns.models]
+        small, large = (peak_rss_child(server.grpc_url, n, folder) for n in ns.rss_rows)
+        shm = shm_section(server.grpc_url, ns)
+    print()
+    print(f"## Throughput (batch {ns.batch}; medians of {ns.rounds} alternating rounds)")
+    print()
+    print("| model | rows | perf_analyzer best (c) | score(), file to file | score() / perf_analyzer | "
+          "score_rows, in memory | score_rows / perf_analyzer | naive loop | score() / naive |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(
+            f"| {r['model']} | {r['rows']:,} | {r['pa']:,.0f} ({r['best_c']}) | {r['score']:,.0f} | "
+            f"**{r['score'] / r['pa']:.2f}x** | {r['engine']:,.0f} | {r['engine'] / r['pa']:.2f}x | "
+            f"{r['naive']:,.0f} | {r['score'] / r['naive']:.1f}x |"
+        )
+    print()
+    print("perf_analyzer sweep (rows/s): " + "; ".join(
+        f"{r['model']}: " + ", ".join(f"c={c} {v:,.0f}" for c, v in r["sweep"].items()) for r in results
+    ))
+    print()
+    print("## Client peak RSS (VmHWM), score() of scale_fp32 rows, JSONL -> JSONL")
+    print()
+    print(f"| {ns.rss_rows[0]:,} rows | {ns.rss_rows[1]:,} rows | ratio |")
+    print("|---:|---:|---:|")
+    print(f"| {small / 1024:.1f} MiB | {large / 1024:.1f} MiB | **{large / small:.2f}x** |")
+    print()
+    print(f"## Shared memory vs plain gRPC, rows of {SHM_FLOATS * 4 / 2**20:.0f} MiB (scale_fp32, concurrency 2)")
+    print()
+    print("| rows/request | plain rows/s | shm rows/s | plain MB/s | shm MB/s | shm / plain |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    mb = SHM_FLOATS * 4 * 2 / 1e6  # in and out
+    for row in shm:
+        print(
+            f"| {row['batch']} | {row['plain']:,.1f} | {row['shm']:,.1f} | {row['plain'] * mb:,.0f} | "
+            f"{row['shm'] * mb:,.0f} | **{row['shm'] / row['plain']:.2f}x** |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
