@@ -33,6 +33,7 @@ from triton_npu_client import (
     UsageError,
     score,
     score_rows,
+    score_sync,
 )
 from triton_npu_client._jobs._formats import BadRow
 
@@ -217,3 +218,53 @@ async def test_shared_memory_gives_the_same_rows(triton_server: LocalTriton) -> 
         np.testing.assert_array_equal(a.outputs["OUTPUT0"], b.outputs["OUTPUT0"])
         np.testing.assert_array_equal(b.outputs["OUTPUT0"], 2 * rows[b.index]["INPUT0"])
     assert left == []
+
+
+async def test_async_iterable_source_and_resume_skip(triton_server: LocalTriton, tmp_path: Path) -> None:
+    """An async generator feeds score(); a second call with the same source skips the rows already done."""
+    pulled: list[int] = []
+
+    async def rows(n: int) -> AsyncIterator[dict[str, list[float]]]:
+        for i in range(n):
+            pulled.append(i)
+            yield {"X": [float(i), 0.0]}
+
+    output = tmp_path / "out.jsonl"
+    async with Client(triton_server.grpc_url, timeout_s=60) as client:
+        model = await client.model("score_probe")
+        first = await score(model, rows(20), output, batch_size=4, progress=False)
+        pulled.clear()
+        again = await score(model, rows(20), output, batch_size=4, progress=False)
+    assert (first.rows_ok, first.complete) == (20, True)
+    assert again.rows == 0
+    assert pulled == []  # a complete job does not even read its source
+    assert [json.loads(line)["Y"] for line in output.read_text().splitlines()] == [[3.0 * i] for i in range(20)]
+
+
+async def test_parquet_in_parquet_out_and_npy_in(triton_server: LocalTriton, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    x = [[float(i), 0.0] for i in range(70)]
+    pq.write_table(pa.table({"X": x, "id": list(range(70))}), tmp_path / "in.parquet")
+    np.save(tmp_path / "in.npy", np.array(x, dtype=np.float32))
+    async with Client(triton_server.grpc_url, timeout_s=60) as client:
+        model = await client.model("score_probe")
+        a = await score(model, tmp_path / "in.parquet", tmp_path / "out.parquet", progress=False)
+        b = await score(model, tmp_path / "in.npy", tmp_path / "out.npy", progress=False)
+    assert (a.rows_ok, b.rows_ok) == (70, 70)
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column("row").to_pylist() == list(range(70))
+    assert [y[0] for y in table.column("Y").to_pylist()] == [3.0 * i for i in range(70)]
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy")[:, 0], 3.0 * np.arange(70, dtype=np.float32))
+
+
+def test_score_sync_for_scripts(triton_server: LocalTriton, tmp_path: Path) -> None:
+    source = tmp_path / "rows.txt"
+    source.write_text("".join(f"line {i}\n" for i in range(12)))
+    summary = score_sync(triton_server.grpc_url, "minilm", source, tmp_path / "emb.npy", progress=False)
+    embeddings = np.load(tmp_path / "emb.npy")
+    assert summary.rows_ok == 12
+    assert embeddings.shape == (12, 384)
+    np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, rtol=1e-5)
+    assert not np.allclose(embeddings[0], embeddings[1])

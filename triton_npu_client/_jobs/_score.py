@@ -480,6 +480,13 @@ async def score(
                          **({"output": outputs[0]} if outputs and len(outputs) == 1 else {}))
     started = time.monotonic()
     done = writer.open()
+    if writer.complete:
+        # A finished job: nothing to read, nothing to send.
+        writer.close()
+        return ScoreSummary(
+            output=output, errors=errors_path, rows_ok=0, rows_failed=0, resumed_from=done,
+            elapsed_s=time.monotonic() - started, complete=True,
+        )
     if isinstance(source, str | os.PathLike):
         rows = read_rows(source, input_names=names, format=input_format, start=done, string_inputs=strings)
     else:
