@@ -6,8 +6,8 @@
 Sections (each prints a table):
 
 1. **Throughput.** The same model and batch shape driven three ways:
-   - ``score()``: the whole job, from a text/JSONL file to an ``.npy``/JSONL output file, at the concurrency where
-     perf_analyzer did best;
+   - ``score()``: the whole job, from a file (text lines for minilm, a float32 ``.npy`` for scale_fp32) to an
+     ``.npy`` output file, at the concurrency where perf_analyzer did best;
    - ``score_rows()``: the same rows already in memory, results dropped (the engine without file I/O);
    - NVIDIA's C++ ``perf_analyzer`` at concurrency 1, 2, 4 and 8 (its best is the yardstick; goal: score() >= 0.95x);
    - a naive sequential ``tritonclient.grpc`` loop, one row per request.
@@ -50,6 +50,9 @@ SHM_FLOATS = 262_144  # 1 MiB of FP32 per row
 
 
 def write_rows(path: Path, model: str, n: int) -> None:
+    if path.suffix == ".npy":
+        np.save(path, np.tile(np.arange(16, dtype=np.float32), (n, 1)))
+        return
     with path.open("w") as f:
         if model == "minilm":
             for _ in range(n):
@@ -61,7 +64,8 @@ def write_rows(path: Path, model: str, n: int) -> None:
 
 
 def source_name(model: str) -> str:
-    return "rows.txt" if model == "minilm" else "rows.jsonl"
+    # Each in its natural file format: text lines for the encoder, a float32 array for the numeric model.
+    return "rows.txt" if model == "minilm" else "rows.npy"
 
 
 def perf_args(model: str, url: str, batch: int, concurrency: int, data: Path | None, interval_ms: int) -> list[str]:
@@ -80,7 +84,7 @@ def perf_args(model: str, url: str, batch: int, concurrency: int, data: Path | N
 def memory_rows(model: str, n: int) -> list[Any]:
     if model == "minilm":
         return [SENTENCE] * n
-    return [{"INPUT0": [float(i) for i in range(16)]}] * n
+    return list(np.tile(np.arange(16, dtype=np.float32), (n, 1)))
 
 
 async def time_score_rows(url: str, model: str, rows: list[Any], *, batch: int, concurrency: int) -> float:
@@ -137,7 +141,7 @@ def throughput(pa: PerfAnalyzer, url: str, folder: Path, ns: argparse.Namespace,
     rows = ns.rows_minilm if model == "minilm" else ns.rows_scale
     source = folder / f"{model}-{source_name(model)}"
     write_rows(source, model, rows)
-    out = folder / f"{model}-out.{'npy' if model == 'minilm' else 'jsonl'}"
+    out = folder / f"{model}-out.npy"
     sweep = {}
     for c in ns.concurrency:
         result = run_perf_analyzer(pa, perf_args(model, url, batch, c, data, ns.interval_ms), timeout_s=600)

@@ -144,3 +144,15 @@ def test_chat_bench_quick(triton_server: LocalTriton) -> None:
     figures = [float(m) for m in re.findall(r"\| ([\d.]+) \| [\d., ]+ \|", out)]
     assert len(figures) >= 6
     assert all(f > 0 for f in figures)
+
+
+def test_score_bench_quick() -> None:
+    """bench/score.py --quick prints its three tables with positive figures (numbers not asserted)."""
+    proc = _run(["bench/score.py", "--quick", "--models", "scale_fp32"], timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    row = re.search(r"^\| scale_fp32 \| 2,000 \| ([\d,]+) \(2\) \| ([\d,]+) \| \*\*([\d.]+)x\*\*", out, re.M)
+    assert row is not None, out
+    assert all(float(v.replace(",", "")) > 0 for v in row.groups())
+    assert re.search(r"^\| [\d.]+ MiB \| [\d.]+ MiB \| \*\*[\d.]+x\*\* \|$", out, re.M), out
+    assert re.search(r"^\| 4 \| [\d,.]+ \| [\d,.]+ \| [\d,]+ \| [\d,]+ \| \*\*[\d.]+x\*\* \|$", out, re.M), out
