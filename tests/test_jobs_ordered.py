@@ -99,6 +99,35 @@ async def test_the_input_is_pulled_only_as_slots_free_up() -> None:
     await results.aclose()
 
 
+async def test_a_wider_window_keeps_calls_running_past_a_slow_head() -> None:
+    """window > concurrency: the head held, finished calls make room for new ones, never more than `concurrency`
+    in flight and never more than `window` items held."""
+    gate = Gate()
+    results = ordered_map(gate.source(1000), gate.call, concurrency=2, window=5)
+    first = asyncio.ensure_future(anext(results))
+    for i in (1, 2, 3):  # the head (0) stays held; each later call finishes and another starts in its place
+        while len(gate.started) < i + 1:
+            await asyncio.sleep(0)
+        assert gate.in_flight == 2
+        gate.event(i).set()
+    while len(gate.started) < 5 or gate.in_flight > 2:
+        await asyncio.sleep(0)
+    gate.event(4).set()
+    while gate.in_flight > 1:
+        await asyncio.sleep(0)
+    assert (gate.pulled, len(gate.started), gate.most_in_flight) == (5, 5, 2)  # the window is full: no 6th pull
+    gate.event(0).set()
+    assert await first == (0, 0)
+    rest = [await anext(results) for _ in range(4)]
+    assert [item for item, _ in rest] == [1, 2, 3, 4]
+    assert [outcome for item, outcome in rest if item != 3] == [10, 20, 40]
+    assert isinstance(rest[2][1], ValueError)  # item 3 fails in the Gate
+    await results.aclose()
+    with pytest.raises(ValueError, match="window must be >= concurrency"):
+        async for _ in ordered_map(range(3), gate.call, concurrency=3, window=2):
+            pass
+
+
 async def test_leaving_early_cancels_the_calls_in_flight_and_closes_the_input() -> None:
     gate = Gate()
     closed = asyncio.Event()

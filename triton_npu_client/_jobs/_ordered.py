@@ -6,8 +6,9 @@ that item raised: one bad item never stops the others, and the caller decides wh
 a retry).
 
 Memory stays bounded whatever the input's size: the input is pulled only when a slot is free, and the results that
-finished out of order wait in a window of at most ``concurrency`` entries. A slow head item therefore holds back the
-pulling of new ones (head-of-line blocking); that is the price of bounded memory with ordered output.
+finished out of order wait in a window of at most ``window`` entries (default ``concurrency``). With the default, a
+slow head item holds back the pulling of new ones (head-of-line blocking); a larger window keeps ``concurrency``
+calls running past a slow head, holding a few more results: the price of bounded memory with ordered output.
 """
 
 from __future__ import annotations
@@ -44,51 +45,72 @@ async def ordered_map(
     fn: Callable[[T], Awaitable[R]],
     *,
     concurrency: int,
+    window: int | None = None,
 ) -> AsyncIterator[tuple[T, R | Exception]]:
     """Yield ``(item, fn(item) or its exception)`` in input order, with at most ``concurrency`` calls in flight.
 
+    ``window`` (default ``concurrency``) bounds the items held at once: those in flight plus those finished but
+    waiting for an earlier one. A window larger than ``concurrency`` keeps ``concurrency`` calls running while a
+    slow call holds the head, at the cost of holding up to ``window`` results.
     ``Exception`` subclasses raised by ``fn`` are yielded as outcomes; anything else (``CancelledError``,
     ``KeyboardInterrupt``) propagates. Leaving the loop early, or an error pulling the input, cancels the calls
     still in flight and waits for them to end.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    held = concurrency if window is None else window
+    if held < concurrency:
+        raise ValueError(f"window must be >= concurrency ({concurrency}), got {held}")
     source = _aiter(items)
-    window: deque[tuple[T, asyncio.Task[R]]] = deque()
+    pending: deque[tuple[T, asyncio.Task[R]]] = deque()
+    running = 0  # calls started and not finished; kept in step by _done below
     exhausted = False
+
+    def _done(_: asyncio.Task[R]) -> None:
+        nonlocal running
+        running -= 1
+
     try:
         while True:
-            # Fill the window: the only place the input is pulled, so at most `concurrency` items are ever held.
-            while not exhausted and len(window) < concurrency:
+            # Fill: the only place the input is pulled, so at most `held` items are ever held.
+            while not exhausted and len(pending) < held and running < concurrency:
                 try:
                     item = await anext(source)
                 except StopAsyncIteration:
                     exhausted = True
                     break
-                window.append((item, asyncio.ensure_future(fn(item))))
-            if not window:
+                task = asyncio.ensure_future(fn(item))
+                running += 1
+                task.add_done_callback(_done)
+                pending.append((item, task))
+            if not pending:
                 return
-            item, task = window[0]
+            item, task = pending[0]
+            if not task.done():
+                # Wake on the head, or on any call finishing while there is room to start another.
+                watch = [t for _, t in pending if not t.done()] if len(pending) < held and not exhausted else [task]
+                await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+                continue
             outcome: R | Exception
-            try:
-                # Shielded: cancelling the consumer must not look like a failed call; the finally below cancels.
-                outcome = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # the consumer was cancelled
+            if task.cancelled():
                 outcome = RuntimeError("the call was cancelled")  # fn cancelled itself: that item's outcome
-            except Exception as err:
-                outcome = err
-            window.popleft()
+            else:
+                err = task.exception()
+                if err is None:
+                    outcome = task.result()
+                elif isinstance(err, Exception):
+                    outcome = err
+                else:
+                    raise err
+            pending.popleft()
             yield item, outcome
     finally:
-        pending = [task for _, task in window if not task.done()]
-        for task in pending:
+        left = [task for _, task in pending if not task.done()]
+        for task in left:
             task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-        for _, task in window:
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)
+        for _, task in pending:
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: no "exception was never retrieved" warning for dropped results
         await source.aclose()

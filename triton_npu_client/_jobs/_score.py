@@ -390,7 +390,9 @@ async def score_rows(
         return await sender.send(chunk.good, chunk.batch) if chunk.batch is not None else {}
 
     try:
-        async for chunk, outcome in ordered_map(_chunks(rows, spec, size, start), run, concurrency=concurrency):
+        # A window of 4x the requests in flight: a slow request at the head does not idle the other slots.
+        chunks = _chunks(rows, spec, size, start)
+        async for chunk, outcome in ordered_map(chunks, run, concurrency=concurrency, window=4 * concurrency):
             if isinstance(outcome, JobAborted):
                 raise outcome
             for index, refused, row in chunk.entries:
