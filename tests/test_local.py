@@ -315,6 +315,23 @@ async def test_explicit_mode_loads_only_the_models_asked_for(tmp_path: Path) -> 
         tnc.LocalTriton(tmp_path, load_models=["echo"])
 
 
+def test_a_killed_server_leaves_no_backend_shared_memory(tmp_path: Path) -> None:
+    """The Python backend's /dev/shm regions of a SIGKILLed server (it cannot unlink them) go when it is stopped."""
+    _write_model(tmp_path, "echo", GOOD_MODEL)
+    server = tnc.LocalTriton(tmp_path).start()
+    try:
+        regions = sorted(server._regions)
+        assert regions, "the started server maps no backend region"
+        assert all(os.path.exists(f"/dev/shm/{name}") for name in regions)
+        assert server.pid is not None
+        os.killpg(server.pid, signal.SIGKILL)
+    finally:
+        server.stop()
+        if server.log_path is not None:  # the log LocalTriton keeps for a server that died on its own
+            shutil.rmtree(server.log_path.parent, ignore_errors=True)
+    assert [name for name in regions if os.path.exists(f"/dev/shm/{name}")] == []
+
+
 def test_model_load_failure_names_model(tmp_path: Path) -> None:
     """A model that fails to load raises ModelLoadError naming it, with the server's own lines."""
     _write_model(tmp_path, "good", GOOD_MODEL)

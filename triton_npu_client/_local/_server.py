@@ -72,6 +72,8 @@ _TAIL_LINES = 200
 TEMP_PREFIX = "triton-npu-"
 # After SIGKILL the kernel still has to tear the processes down; reaping waits at most this long.
 _REAP_TIMEOUT_S = 10.0
+# How the Python backend names the shared-memory regions it shares with its stubs (/dev/shm/<prefix><uuid>).
+_BACKEND_REGION_PREFIX = "triton_python_backend_shm_region_"
 
 # Every server started by this process, so that interpreter exit never leaves one behind.
 _LIVE: weakref.WeakSet[LocalTriton] = weakref.WeakSet()
@@ -220,6 +222,9 @@ class LocalTriton:
         # True from the moment a temp folder exists until stopping has removed it and reaped the server.
         self._active = False
         self.binary: Path | None = None
+        # The Python backend's shared-memory regions this server mapped (names under /dev/shm). A server that stops
+        # cleanly unlinks them; one that is SIGKILLed cannot, so stopping removes whatever of them is left.
+        self._regions: set[str] = set()
 
     def __repr__(self) -> str:
         state = f"pid={self.pid}" if self.is_running else "stopped"
@@ -294,6 +299,26 @@ class LocalTriton:
             if marker in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":
                 found.append(int(entry.name))
         return sorted(found)
+
+    def _note_regions(self) -> None:
+        """Record the backend's shared-memory regions the server's processes map now (read from /proc)."""
+        for pid in self.processes():
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            for line in maps.splitlines():
+                path = line.rsplit(None, 1)[-1] if "/dev/shm/" in line else ""
+                name = path.removeprefix("/dev/shm/")
+                if name.startswith(_BACKEND_REGION_PREFIX) and "/" not in name:
+                    self._regions.add(name)
+
+    def _remove_regions(self) -> None:
+        """Unlink the recorded regions that outlived the server (it was killed before it could). Never raises."""
+        for name in self._regions:
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name}")
+        self._regions.clear()
 
     # -- preparing ------------------------------------------------------------------------
 
@@ -454,6 +479,7 @@ class LocalTriton:
         except BaseException:
             self._stop(keep_log_if_exited=False)
             raise
+        self._note_regions()
         _log.debug("tritonserver ready: %s %s", self.http_url, self.grpc_url)
         return self
 
@@ -485,6 +511,7 @@ class LocalTriton:
             finally:
                 await self._astop(keep_log_if_exited=False)
             raise
+        await asyncio.to_thread(self._note_regions)
         _log.debug("tritonserver ready: %s %s", self.http_url, self.grpc_url)
         return self
 
@@ -523,6 +550,7 @@ class LocalTriton:
         ``keep_log``: the server had exited on its own after a successful start (a crash), so its log
         is what a post-mortem needs; only the backend copy goes and ``log_path`` stays readable.
         """
+        self._note_regions()  # models loaded since the start map regions of their own
         self._signal_group(signal.SIGKILL)
         deadline = time.monotonic() + _REAP_TIMEOUT_S
         if self._proc is not None:
@@ -531,6 +559,8 @@ class LocalTriton:
         # The stubs got the SIGKILL too; the kernel needs a moment to tear them down.
         while self.processes() and time.monotonic() < deadline:
             time.sleep(0.02)
+        if not self.processes():
+            self._remove_regions()
         if self._workdir is not None:
             shutil.rmtree(self._workdir / "backends" if keep_log else self._workdir, ignore_errors=True)
         self._active = False
