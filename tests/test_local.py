@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -244,17 +245,17 @@ def test_server_dies_with_its_parent(tmp_path: Path) -> None:
     holder = (
         "import sys, triton_npu_client as tnc\n"
         "server = tnc.LocalTriton(sys.argv[1]).start()\n"
-        "print(server.pid, server.log_path.parent, flush=True)\n"
+        "print(server.pid, server.log_path.parent, ','.join(sorted(server._regions)), flush=True)\n"
         "sys.stdin.read()\n"
     )
     with subprocess.Popen(
         [sys.executable, "-c", holder, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     ) as parent:
-        server_pid, workdir = 0, Path()
+        server_pid, workdir, regions = 0, Path(), []
         try:
             assert parent.stdout is not None
-            pid_text, folder = parent.stdout.readline().split()
-            server_pid, workdir = int(pid_text), Path(folder)
+            pid_text, folder, names = parent.stdout.readline().split()
+            server_pid, workdir, regions = int(pid_text), Path(folder), names.split(",")
             marker = str(workdir).encode()
             assert server_pid in _live_with(marker)
             parent.kill()
@@ -269,6 +270,10 @@ def test_server_dies_with_its_parent(tmp_path: Path) -> None:
                 os.killpg(server_pid, signal.SIGKILL)
             if workdir.name.startswith(_local.TEMP_PREFIX):
                 shutil.rmtree(workdir, ignore_errors=True)
+            # Nor its server's backend shared memory, which a SIGKILLed server cannot unlink itself.
+            for name in regions:
+                with contextlib.suppress(OSError):
+                    os.unlink(f"/dev/shm/{name}")
 
 
 def _live_with(marker: bytes) -> list[int]:
@@ -320,9 +325,9 @@ def test_a_killed_server_leaves_no_backend_shared_memory(tmp_path: Path) -> None
     _write_model(tmp_path, "echo", GOOD_MODEL)
     server = tnc.LocalTriton(tmp_path).start()
     try:
+        # Noted while it started (a region the backend made and dropped while loading may be among them).
         regions = sorted(server._regions)
-        assert regions, "the started server maps no backend region"
-        assert all(os.path.exists(f"/dev/shm/{name}") for name in regions)
+        assert any(os.path.exists(f"/dev/shm/{name}") for name in regions), "no live backend region noted"
         assert server.pid is not None
         os.killpg(server.pid, signal.SIGKILL)
     finally:

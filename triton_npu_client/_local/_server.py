@@ -410,6 +410,9 @@ class LocalTriton:
         """True once the server says it is ready and every model in the index is READY."""
         if self._proc is None or self._proc.poll() is not None:
             raise self._startup_failure()
+        # Models map their regions while they load: note them as they come, so a start cancelled midway (its
+        # server killed) leaves none behind either.
+        self._note_regions()
         try:
             with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as resp:
                 if resp.status != 200:
@@ -574,6 +577,7 @@ class LocalTriton:
             return
         keep_log = self._should_keep_log(keep_log_if_exited)
         try:
+            self._note_regions()
             self._send_term()
             deadline = self._grace_deadline()
             while self._group_alive() and time.monotonic() < deadline:
@@ -587,6 +591,7 @@ class LocalTriton:
         keep_log = self._should_keep_log(keep_log_if_exited)
         try:
             self._send_term()
+            await asyncio.to_thread(self._note_regions)  # while the group still lives to be read
             deadline = self._grace_deadline()
             while time.monotonic() < deadline and await asyncio.to_thread(self._group_alive):
                 await asyncio.sleep(0.05)
