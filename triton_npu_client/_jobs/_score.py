@@ -462,22 +462,13 @@ async def score(
     output = Path(output)
     errors_path = Path(errors) if errors is not None else output.with_name(output.name + ".errors.jsonl")
     options = f"model={spec.name};batch={batch_size};outputs={list(outputs) if outputs else None}"
-    total: int | None = None
-    rows: Iterable[Any] | AsyncIterable[Any]
     names = [t.name for t in spec.inputs]
     strings = [t.name for t in spec.inputs if t.dtype == "BYTES"]  # CSV cells of these stay text
     if isinstance(source, str | os.PathLike):
-        reader = read_rows(source, input_names=names, format=input_format, string_inputs=strings)
-        fingerprint = f"{reader.fingerprint};{options}"
-        total = reader.total
-        rows = reader
+        fingerprint = read_rows(source, input_names=names, format=input_format).fingerprint  # a stat, no read
     else:
-        fingerprint = f"iterable;{options}"
-        rows = source
-        try:
-            total = len(source)  # type: ignore[arg-type]
-        except TypeError:
-            total = None
+        fingerprint = "iterable"
+    fingerprint += f";{options}"
     writer = open_writer(output, fingerprint=fingerprint, errors_path=errors_path, format=output_format,
                          **({"output": outputs[0]} if outputs and len(outputs) == 1 else {}))
     started = time.monotonic()
@@ -489,10 +480,17 @@ async def score(
             output=output, errors=errors_path, rows_ok=0, rows_failed=0, resumed_from=done,
             elapsed_s=time.monotonic() - started, complete=True,
         )
+    rows: Iterable[Any] | AsyncIterable[Any]
+    total: int | None
     if isinstance(source, str | os.PathLike):
-        rows = read_rows(source, input_names=names, format=input_format, start=done, string_inputs=strings)
+        reader = read_rows(source, input_names=names, format=input_format, start=done, string_inputs=strings)
+        rows, total = reader, reader.total
     else:
-        rows = _skip(rows, done)
+        rows = _skip(source, done)
+        try:
+            total = len(source)  # type: ignore[arg-type]
+        except TypeError:
+            total = None
     bar = Progress(total=total, done=done, enabled=progress)
     ok = failed = 0
     complete = False
