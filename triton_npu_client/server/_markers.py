@@ -9,7 +9,7 @@ position: a server or proxy may prefix the text.
 This module imports nothing, so the client can read it without the toolkit's numpy or torch.
 """
 
-__all__ = ["MARKERS", "SEQUENCE_BUSY", "SEQUENCE_CAPACITY", "SEQUENCE_UNKNOWN", "marker_in"]
+__all__ = ["INVALID_INPUT", "MARKERS", "SEQUENCE_BUSY", "SEQUENCE_CAPACITY", "SEQUENCE_UNKNOWN", "marker_in"]
 
 #: A non-START step for a sequence this model instance does not hold (never started, ended, swept
 #: after idling, or its START was refused): the sequence's state is gone; start a new one.
@@ -23,7 +23,12 @@ SEQUENCE_CAPACITY = "[triton-npu:capacity]"
 #: overlap): the sequence is intact; send the step again once the previous one has ended.
 SEQUENCE_BUSY = "[triton-npu:sequence-busy]"
 
-MARKERS = (SEQUENCE_UNKNOWN, SEQUENCE_CAPACITY, SEQUENCE_BUSY)
+#: A request refused because of its own inputs (a bad option, a message over a size cap, a malformed turn): the
+#: request's fault, never retried; the sequence's state is untouched. Sent with INVALID_ARG where the transport
+#: carries a status; over the gRPC stream the marker is the only signal.
+INVALID_INPUT = "[triton-npu:invalid-input]"
+
+MARKERS = (SEQUENCE_UNKNOWN, SEQUENCE_CAPACITY, SEQUENCE_BUSY, INVALID_INPUT)
 
 
 def marker_in(text: str) -> str | None:
