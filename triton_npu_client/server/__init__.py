@@ -7,35 +7,112 @@ use it. torch is imported lazily, and only for an instance that may use an accel
 The one pb_utils-facing piece, :class:`RunningStatsModel`, takes that module as an argument.
 """
 
-from ._bert import BERT, BertConfig, load_bert, sentence_embeddings
-from ._chat import ChatEngine, ChatMessage, ChatResponse, ChatTokenizer, ChatTurn, TurnOptions
-from ._chat_model import ChatModel
-from ._config import SequenceBatching, model_parameter, parse_model_config
-from ._controls import FLAG_END, FLAG_START, SequenceControls, read_controls
-from ._device import (
-    Accelerators,
-    DeviceChoice,
-    accelerator_possible,
-    activate,
-    choose_device,
-    instance_index,
-    parse_device_ids,
-    probe_accelerators,
-    to_host,
-)
-from ._encoder import (
-    EncoderModel,
-    SentenceEncoder,
-    SentenceEncoderConfig,
-    SentenceTokenizer,
-    TokenizerModel,
-    packaged_checkpoint,
-)
-from ._generate import SEQUENCE_BUSY, ExitReason, StepLoop, StepOutput, Stream
-from ._gpt2 import GPT2, GPT2Config, GPT2Layer, KVCache, load_gpt2
-from ._gpt2 import forward as gpt2_forward
-from ._model import RunningStatsModel
-from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from ._bert import BERT, BertConfig, load_bert, sentence_embeddings
+    from ._chat import ChatEngine, ChatMessage, ChatResponse, ChatTokenizer, ChatTurn, TurnOptions
+    from ._chat_model import ChatModel
+    from ._config import SequenceBatching, model_parameter, parse_model_config
+    from ._controls import FLAG_END, FLAG_START, SequenceControls, read_controls
+    from ._device import (
+        Accelerators,
+        DeviceChoice,
+        accelerator_possible,
+        activate,
+        choose_device,
+        instance_index,
+        parse_device_ids,
+        probe_accelerators,
+        to_host,
+    )
+    from ._encoder import (
+        EncoderModel,
+        SentenceEncoder,
+        SentenceEncoderConfig,
+        SentenceTokenizer,
+        TokenizerModel,
+        packaged_checkpoint,
+    )
+    from ._generate import ExitReason, StepLoop, StepOutput, Stream
+    from ._gpt2 import GPT2, GPT2Config, GPT2Layer, KVCache, load_gpt2
+    from ._gpt2 import forward as gpt2_forward
+    from ._markers import SEQUENCE_BUSY
+    from ._model import RunningStatsModel
+    from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
+
+# Every name loads its module on first use (PEP 562): the client imports the leaf modules _markers and _digest, and
+# Python runs this file first, so an eager import here would load the whole toolkit (numpy models, tokenizers)
+# into every client process. A name maps to its module, or to (module, name there) when it is renamed here.
+_LAZY: dict[str, str | tuple[str, str]] = {
+    "BERT": "_bert",
+    "BertConfig": "_bert",
+    "load_bert": "_bert",
+    "sentence_embeddings": "_bert",
+    "ChatEngine": "_chat",
+    "ChatMessage": "_chat",
+    "ChatResponse": "_chat",
+    "ChatTokenizer": "_chat",
+    "ChatTurn": "_chat",
+    "TurnOptions": "_chat",
+    "ChatModel": "_chat_model",
+    "SequenceBatching": "_config",
+    "model_parameter": "_config",
+    "parse_model_config": "_config",
+    "FLAG_END": "_controls",
+    "FLAG_START": "_controls",
+    "SequenceControls": "_controls",
+    "read_controls": "_controls",
+    "Accelerators": "_device",
+    "DeviceChoice": "_device",
+    "accelerator_possible": "_device",
+    "activate": "_device",
+    "choose_device": "_device",
+    "instance_index": "_device",
+    "parse_device_ids": "_device",
+    "probe_accelerators": "_device",
+    "to_host": "_device",
+    "EncoderModel": "_encoder",
+    "SentenceEncoder": "_encoder",
+    "SentenceEncoderConfig": "_encoder",
+    "SentenceTokenizer": "_encoder",
+    "TokenizerModel": "_encoder",
+    "packaged_checkpoint": "_encoder",
+    "ExitReason": "_generate",
+    "StepLoop": "_generate",
+    "StepOutput": "_generate",
+    "Stream": "_generate",
+    "GPT2": "_gpt2",
+    "GPT2Config": "_gpt2",
+    "GPT2Layer": "_gpt2",
+    "KVCache": "_gpt2",
+    "gpt2_forward": ("_gpt2", "forward"),
+    "load_gpt2": "_gpt2",
+    "SEQUENCE_BUSY": "_markers",
+    "RunningStatsModel": "_model",
+    "BatchPlan": "_state",
+    "NumpyMoments": "_state",
+    "Refusal": "_state",
+    "RunningMoments": "_state",
+    "SequenceSlots": "_state",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = (where, name) if isinstance(where, str) else where
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), attr)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "FLAG_END",
