@@ -1,4 +1,5 @@
-"""Error mapping: pure classification by status code, plus the text-based stream classifier."""
+"""Error mapping: pure classification by status code, plus the stream classifier (Triton's few phrases and the
+toolkit's markers, never other words)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from triton_npu_client import (
     ServerUnavailable,
     TritonError,
 )
-from triton_npu_client._errors._classify import judge_step, map_error, map_stream_error
+from triton_npu_client._errors._classify import SIGNALS, judge_step, map_error, map_stream_error
+from triton_npu_client.server._markers import INVALID_INPUT, MARKERS
 
 
 @pytest.mark.parametrize(
@@ -80,6 +82,7 @@ def test_grpc_rpc_error_by_code() -> None:
 UNKNOWN = "[triton-npu:sequence-unknown] sequence 7 is not held by this instance"
 CAPACITY = "[triton-npu:capacity] model m holds 4096 live sequences"
 BUSY = "[triton-npu:sequence-busy] sequence 9 is busy: its previous step is still streaming"
+INVALID = "[triton-npu:invalid-input] temperature must be finite, got nan"
 
 
 @pytest.mark.parametrize(
@@ -88,11 +91,14 @@ BUSY = "[triton-npu:sequence-busy] sequence 9 is busy: its previous step is stil
         ("inference request for sequence 7 to model 'm' must specify the START flag on the first", SequenceError),
         ("Failed to process the request(s) for model 'm', message: Stub process is not healthy.", InternalServerError),
         ("inference request to model 'm' must specify a non-zero or non-empty correlation ID", SequenceError),
-        ("unexpected shape for input 'INPUT0' for model 'm'", InvalidArgumentError),
+        # Triton's own refusal of an input: over the stream it has no status, and no marker, so no class of its own.
+        ("[request id: 3] unexpected shape for input 'INPUT0' for model 'm'", InternalServerError),
         (UNKNOWN, SequenceError),
         (CAPACITY, SequenceCapacityError),
         (BUSY, SequenceBusyError),
+        (INVALID, InvalidArgumentError),
         ("Request for unknown model: 'm' is not found", ModelNotFoundError),
+        ("Request for unknown model: 'm' has no available versions", ModelNotFoundError),
         ("something else", InternalServerError),
     ],
 )
@@ -101,6 +107,34 @@ def test_stream_errors_by_text(message: str, cls: type[Exception]) -> None:
     err = map_stream_error(message, model="m", request_id="r", sequence_id=5)
     assert type(err) is cls
     assert (err.model, err.sequence_id) == ("m", 5)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Failed to process the request(s) for model 'm', message: ValueError: the input shape is wrong",
+        "Failed to process the request(s) for model 'm', message: bad data-type, datatype or byte size",
+        "Failed to process the request(s) for model 'm', message: batch size 3 is not allowed",
+        "Failed to process the request(s) for model 'm', message: FileNotFoundError: vocab.json is not found",
+        "Failed to process the request(s) for model 'm', message: the model has no available versions of its weights",
+    ],
+)
+def test_words_never_decide_a_class(message: str) -> None:
+    """A model's own text ("input", "shape", "is not found", ...) never classifies it: only status codes, the
+    toolkit's markers and Triton's few documented phrases do. Without a status (the stream) such an error is
+    InternalServerError, on unary gRPC and HTTP the status decides; and the step is not lost."""
+    assert type(map_stream_error(message, model="m")) is InternalServerError
+    assert type(map_error(InferenceServerException(message, status="StatusCode.INTERNAL"), model="m")) is (
+        InternalServerError
+    )
+    assert type(map_error(InferenceServerException(message, status="400"), model="m")) is InvalidArgumentError
+    verdict = judge_step(map_stream_error(message, model="m"), sequence_id=9, start=False, acknowledged=3)
+    assert (verdict.lost, verdict.send_end) == (False, True)
+
+
+def test_every_marker_is_a_signal() -> None:
+    """Every marker the toolkit defines is read by the classifier (a new marker must be placed on purpose)."""
+    assert set(MARKERS) <= set(SIGNALS)
 
 
 def _over(path: str, message: str, status: str) -> TritonError:
@@ -122,6 +156,7 @@ PATHS = [("stream", ""), ("grpc", "StatusCode.INVALID_ARGUMENT"), ("http", "400"
         ("Failed to process the request(s) for model 'm', message: Stub process is not healthy.", True, False),
         ("Failed to process the request(s) for model 'm', message: ZeroDivisionError: division by zero", False, True),
         ("unexpected shape for input 'X' for model 'm'", False, True),
+        (INVALID, False, True),
     ],
 )
 def test_step_judged_the_same_on_every_path(path: str, status: str, message: str, lost: bool, send_end: bool) -> None:
@@ -159,6 +194,17 @@ def test_busy_refusal_same_type_everywhere_and_not_a_loss() -> None:
     for path, status in [("stream", ""), ("grpc", "StatusCode.UNAVAILABLE"), ("http", "503")]:
         err = _over(path, BUSY, status)
         assert type(err) is SequenceBusyError
+        for start, acked in ((True, 0), (False, 3)):
+            verdict = judge_step(err, sequence_id=9, start=start, acknowledged=acked)
+            assert (verdict.lost, verdict.send_end, verdict.error) == (False, True, err)
+
+
+def test_invalid_input_refusal_same_type_everywhere_and_not_a_loss() -> None:
+    """A request the toolkit refuses for its own inputs is InvalidArgumentError on every path, status or none."""
+    for path, status in [("stream", ""), ("grpc", "StatusCode.INVALID_ARGUMENT"), ("http", "400")]:
+        err = _over(path, INVALID, status)
+        assert type(err) is InvalidArgumentError
+        assert INVALID_INPUT in err.message
         for start, acked in ((True, 0), (False, 3)):
             verdict = judge_step(err, sequence_id=9, start=start, acknowledged=acked)
             assert (verdict.lost, verdict.send_end, verdict.error) == (False, True, err)

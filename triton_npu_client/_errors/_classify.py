@@ -1,19 +1,29 @@
 """The one place that translates tritonclient / gRPC / HTTP / asyncio errors into the SDK's error tree, and the
 one place that judges what a failed sequence step means for its sequence (:func:`judge_step`).
 
-Classification is by exception type and status code (gRPC ``StatusCode``, HTTP status). Message text is read
-only for signals that have no code of their own, listed in :data:`SIGNALS`: Triton's sequence-batcher and
-Python-backend phrases, the server toolkit's own markers, and the restricted-protocol refusal that Triton
-sends as UNAVAILABLE. Per-request errors on a gRPC bidirectional stream carry no status at all, so
-:func:`map_stream_error` classifies them by those signals alone.
+Classification is by exception type and status code (gRPC ``StatusCode``, HTTP status). Message text is read for
+the phrases in :data:`SIGNALS` alone, each matched whole: the server toolkit's markers (``server/_markers.py``:
+a fixed ``[triton-npu:...]`` tag at the start of each of its refusals, :data:`INVALID_INPUT` among them) and the
+few phrases of Triton 2.51 that carry a meaning no status code carries (a sequence step without START or without
+a correlation id, a dead Python stub, the restricted-protocol refusal that Triton sends as UNAVAILABLE, and an
+unknown model). No other words of a message ("input", "shape", ...) ever decide its class: a model's own text may
+say anything.
+
+Per-request errors on a gRPC bidirectional stream carry no status at all, so :func:`map_stream_error` has only
+those signals: a stream error with none of them is :class:`InternalServerError`, even when it is Triton's own
+refusal of a request's inputs (those come with ``INVALID_ARGUMENT`` over unary gRPC and 400 over HTTP, where they
+are :class:`InvalidArgumentError`). The toolkit's models mark every refusal of a request's own inputs with
+:data:`INVALID_INPUT`, so theirs are :class:`InvalidArgumentError` on every path.
 
 What Triton 2.51 answers (seen against the real server):
 
-* unknown model: gRPC ``NOT_FOUND`` / HTTP 404 for infer, metadata and config;
-* a model that exists in the repository but is unloaded: the same ``NOT_FOUND`` / 404 ("has no available
+* unknown model: gRPC ``NOT_FOUND`` / HTTP 404 for infer, metadata and config; over the stream "Request for unknown
+  model: 'm' is not found";
+* a model that exists in the repository but is unloaded: the same ``NOT_FOUND`` / 404 ("... has no available
   versions"), so both become :class:`ModelNotFoundError`; statistics for either answer ``INVALID_ARGUMENT`` / 400;
 * server stopped: gRPC ``UNAVAILABLE`` (the channel cannot connect), HTTP: aiohttp ``ClientConnectorError``;
-* client deadline: gRPC ``DEADLINE_EXCEEDED``; a wrong input: ``INVALID_ARGUMENT`` / 400.
+* client deadline: gRPC ``DEADLINE_EXCEEDED``; a wrong input: ``INVALID_ARGUMENT`` / 400 (over the stream: text
+  only, e.g. "unexpected shape for input 'X' ...", so :class:`InternalServerError`).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from typing import Final
 import attrs
 import grpc
 
-from ..server._markers import SEQUENCE_BUSY, SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
+from ..server._markers import INVALID_INPUT, SEQUENCE_BUSY, SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 from ._exceptions import (
     ConnectError,
     InternalServerError,
@@ -49,9 +59,10 @@ MISSING_START: Final = "must specify the START flag"
 NO_CORRELATION_ID: Final = "must specify a non-zero or non-empty correlation ID"
 STUB_DEAD: Final = "Stub process is not healthy"
 RESTRICTED: Final = "This protocol is restricted"
-_MODEL_GONE: Final = ("is not found", "has no available versions")
-SIGNALS: Final = (MISSING_START, NO_CORRELATION_ID, STUB_DEAD, RESTRICTED, SEQUENCE_UNKNOWN, SEQUENCE_CAPACITY,
-                  SEQUENCE_BUSY, *_MODEL_GONE)
+# How Triton begins both "... is not found" and "... has no available versions" (an unloaded model).
+UNKNOWN_MODEL: Final = "Request for unknown model: "
+SIGNALS: Final = (MISSING_START, NO_CORRELATION_ID, STUB_DEAD, RESTRICTED, UNKNOWN_MODEL, SEQUENCE_UNKNOWN,
+                  SEQUENCE_CAPACITY, SEQUENCE_BUSY, INVALID_INPUT)
 
 _GRPC: Final[dict[str, type[TritonError]]] = {
     "DEADLINE_EXCEEDED": RequestTimeout,
@@ -204,6 +215,8 @@ def _by_signal(message: str) -> type[TritonError] | None:
         return SequenceError
     if STUB_DEAD in message:
         return InternalServerError
+    if INVALID_INPUT in message:
+        return InvalidArgumentError
     return None
 
 
@@ -216,17 +229,13 @@ def map_stream_error(
 ) -> TritonError:
     """Classify a per-request error of a gRPC bidirectional stream (``ModelStreamInferResponse.error_message``).
 
-    The stream carries these errors as bare strings with no status code, so the signal phrases are all there is.
+    The stream carries these errors as bare strings with no status code, so the phrases of :data:`SIGNALS` are all
+    there is; a message with none of them is :class:`InternalServerError` (see the module docstring).
     """
     where = f"model {model!r}: " if model else ""
     cls = _by_signal(message)
     if cls is None:
-        if any(phrase in message for phrase in _MODEL_GONE):
-            cls = ModelNotFoundError
-        elif any(w in message for w in ("input", "shape", "data-type", "datatype", "byte size", "batch size")):
-            cls = InvalidArgumentError
-        else:
-            cls = InternalServerError
+        cls = ModelNotFoundError if UNKNOWN_MODEL in message else InternalServerError
     return cls(f"{where}{message}", model=model, request_id=request_id or None, sequence_id=sequence_id)
 
 

@@ -18,6 +18,7 @@ from triton_npu_client.server import (
     parse_model_config,
     read_controls,
 )
+from triton_npu_client.server._markers import INVALID_INPUT
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -87,7 +88,8 @@ class TritonPythonModel:
                 n = _one_int(request, "N", 0 if controls.end else None)
                 job = _Job(controls, n, _one_int(request, "DELAY_MS", 0) / 1000.0)
             except ValueError as err:
-                sender.send(_error(str(err), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+                # Marked: over the gRPC stream the text is all the client gets (no status code).
+                sender.send(_error(f"{INVALID_INPUT} {err}", pb_utils.TritonError.INVALID_ARG), flags=FINAL)
                 continue
             if not controls.ready:
                 sender.send(flags=FINAL)
