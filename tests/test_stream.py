@@ -18,7 +18,6 @@ from triton_npu_client import (
     Client,
     ClientClosedError,
     InternalServerError,
-    InvalidArgumentError,
     LocalTriton,
     ModelNotFoundError,
     RequestTimeout,
@@ -28,7 +27,10 @@ from triton_npu_client import (
 )
 from triton_npu_client._client._model import Model
 from triton_npu_client._transport import GrpcTransport
-from triton_npu_client._transport._stream import SharedStreamCall, StreamMultiplexer
+from triton_npu_client._transport._stream import _SEND_QUEUE, Outgoing, SharedStreamCall, StreamMultiplexer
+
+# Generous: only reached when something hangs, never part of a passing run's timing.
+SAFETY_NET_S = 30.0
 
 
 @pytest.fixture
@@ -109,7 +111,7 @@ async def test_a_failing_request_does_not_disturb_the_others(channel: grpc.aio.C
             request.model_name = "no_such_model"
             await mux.call(request, timeout_s=60).single()
 
-        async def bad_shape() -> None:
+        async def bad_shape() -> None:  # refused by Triton itself: over the stream, text without a status
             request = scale_proto(scale, np.ones(3, np.float32))
             request.inputs[0].shape[:] = [1, 5]  # claims 5 values, carries 3
             await mux.call(request, timeout_s=60).single()
@@ -122,7 +124,9 @@ async def test_a_failing_request_does_not_disturb_the_others(channel: grpc.aio.C
             np.testing.assert_array_equal(results[3 * i], np.full((1, 3), 2.0 * i, np.float32))
             assert isinstance(results[3 * i + 1], ModelNotFoundError)
             assert results[3 * i + 1].model == "no_such_model"
-            assert isinstance(results[3 * i + 2], InvalidArgumentError)
+            # No status and no marker: InternalServerError, whatever words Triton's text uses; the text says why.
+            assert type(results[3 * i + 2]) is InternalServerError
+            assert "input byte size mismatch for input 'INPUT0'" in results[3 * i + 2].message
         # The stream survived all of it.
         np.testing.assert_array_equal(await good(7.0), np.full((1, 3), 14.0, np.float32))
         assert mux.pending_count == 0
@@ -275,3 +279,98 @@ async def test_decoupled_spec_read_from_the_real_config(client: Client) -> None:
     assert model.spec.decoupled is True
     with pytest.raises(UsageError, match="decoupled"):
         await model.infer(N=np.array([2], dtype=np.int32))
+
+
+# -- a stream whose queue is full ----------------------------------------------------------------------------
+
+
+class SilentPeer:
+    """A TCP listener on 127.0.0.1 that accepts and never speaks HTTP/2: a gRPC call to it stays unconnected, its
+    request iterator is never read, so the stream's queue fills. :meth:`kill` closes it all: the stream dies."""
+
+    def __init__(self) -> None:
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self.port = 0
+
+    async def __aenter__(self) -> SilentPeer:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.kill()
+        assert self._server is not None
+        await self._server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+
+    def kill(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+
+
+def _nowhere() -> Outgoing:
+    """A request that never reaches a server here: its bytes do not matter."""
+    return Outgoing("m", None, lambda request_id, many: b"")
+
+
+async def _full(mux: StreamMultiplexer) -> None:
+    """Return once the multiplexer's one stream has a full queue (what the tests below need)."""
+    async with asyncio.timeout(SAFETY_NET_S):
+        while (stream := mux._slots[0]) is None or not stream._queue.full():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_full_stream_queue_is_waited_on_only_until_the_callers_deadline() -> None:
+    """A caller whose request meets a full stream queue gets RequestTimeout at its deadline, not a hang; the
+    requests already queued are unaffected, and fail with a transport error when the stream dies."""
+    async with SilentPeer() as peer:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{peer.port}")
+        mux = StreamMultiplexer(channel)
+        queued = [asyncio.create_task(mux.call(_nowhere()).single()) for _ in range(_SEND_QUEUE + 1)]
+        try:
+            await _full(mux)
+            late = asyncio.create_task(mux.call(_nowhere(), timeout_s=0.2).single())
+            done, _ = await asyncio.wait([late], timeout=SAFETY_NET_S)
+            assert done == {late}, "the caller waited past its deadline for room in the stream's queue"
+            assert type(late.exception()) is RequestTimeout
+            assert not any(t.done() for t in queued)
+            peer.kill()
+            async with asyncio.timeout(SAFETY_NET_S):
+                outcomes = await asyncio.gather(*queued, return_exceptions=True)
+            assert all(isinstance(o, TransportError) for o in outcomes), {type(o) for o in outcomes}
+            assert mux.pending_count == 0
+        finally:
+            for task in queued:
+                task.cancel()
+            await mux.aclose()
+            await channel.close()
+
+
+async def test_callers_waiting_for_room_in_a_dying_streams_queue_get_its_error() -> None:
+    """Callers without a deadline waiting for room in a full queue fail with the stream's transport error when the
+    stream dies, like the requests already queued: nobody will read that queue again."""
+    async with SilentPeer() as peer:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{peer.port}")
+        mux = StreamMultiplexer(channel)
+        extra = 20  # beyond the queue (and the one request grpc may already hold): waiting for room
+        calls = [asyncio.create_task(mux.call(_nowhere()).single()) for _ in range(_SEND_QUEUE + 1 + extra)]
+        try:
+            await _full(mux)
+            await asyncio.sleep(0)  # every caller has reached the queue: queued, or waiting for room
+            assert mux.pending_count == len(calls)
+            peer.kill()
+            done, _ = await asyncio.wait(calls, timeout=SAFETY_NET_S)
+            assert len(done) == len(calls), f"{len(calls) - len(done)} callers still wait for a dead stream's queue"
+            outcomes = [t.exception() for t in calls]
+            assert all(isinstance(o, TransportError) for o in outcomes), {type(o) for o in outcomes}
+            assert mux.pending_count == 0
+        finally:
+            for task in calls:
+                task.cancel()
+            await mux.aclose()
+            await channel.close()

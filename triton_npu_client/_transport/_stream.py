@@ -14,7 +14,9 @@ Facts that shape the multiplexer (Triton 2.51; ``docs/triton-facts.md``):
   with a transport error, and the next request opens a fresh stream.
 
 Everything is bounded: requests in flight per multiplexer (callers wait for a slot, *before* the request counts
-as sent), the queue feeding each stream, and the answers buffered for one multi-response request.
+as sent), the queue feeding each stream, and the answers buffered for one multi-response request. Every wait is
+bounded too: by the caller's deadline (a free slot, room in a full stream queue, the answers) and by the stream's
+death (a caller waiting for room in the queue of a stream that dies gets that stream's error at once).
 """
 
 from __future__ import annotations
@@ -136,6 +138,77 @@ def _deadline(timeout_s: float | None) -> float | None:
     return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
 
+class _SendQueue:
+    """The requests waiting for grpc's request iterator of one stream: bounded, one reader (that iterator).
+
+    Not an ``asyncio.Queue``: a sender waiting there for room would wait forever once the stream dies, since nobody
+    reads the queue of a dead stream. :meth:`close` wakes every waiting sender (and the reader) instead.
+    """
+
+    __slots__ = ("_closed", "_items", "_maxsize", "_reader", "_senders")
+
+    def __init__(self, maxsize: int) -> None:
+        self._items: collections.deque[bytes] = collections.deque()
+        self._maxsize = maxsize
+        self._reader: asyncio.Future[None] | None = None
+        self._senders: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed = False
+
+    def full(self) -> bool:
+        return len(self._items) >= self._maxsize
+
+    def put_nowait(self, item: bytes) -> None:
+        """Queue ``item``; the caller has checked that there is room and that the queue is open."""
+        self._items.append(item)
+        reader = self._reader
+        if reader is not None and not reader.done():
+            reader.set_result(None)
+
+    async def put(self, item: bytes) -> bool:
+        """Queue ``item`` once there is room (True), or give up when the queue closes first (False: not queued)."""
+        loop = asyncio.get_running_loop()
+        while self.full() and not self._closed:
+            room = loop.create_future()
+            self._senders.append(room)
+            try:
+                await room
+            except BaseException:
+                if room.done() and not room.cancelled():
+                    self._wake_sender()  # woken, then cancelled before running: pass the room on
+                raise
+        if self._closed:
+            return False
+        self.put_nowait(item)
+        return True
+
+    async def get(self) -> bytes | object:
+        """The next request, or ``_END_OF_REQUESTS`` once closed (what is still queued is dropped with the stream)."""
+        while not self._items and not self._closed:
+            self._reader = asyncio.get_running_loop().create_future()
+            await self._reader
+        if self._closed:
+            return _END_OF_REQUESTS
+        item = self._items.popleft()
+        self._wake_sender()
+        return item
+
+    def _wake_sender(self) -> None:
+        while self._senders:
+            room = self._senders.popleft()
+            if not room.done():
+                room.set_result(None)
+                return
+
+    def close(self) -> None:
+        """End the requests: the reader gets ``_END_OF_REQUESTS``, every waiting sender gets False."""
+        self._closed = True
+        self._items.clear()
+        for waiter in (self._reader, *self._senders):
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        self._senders.clear()
+
+
 class _Inbox:
     """The answers to one multi-response request, in arrival order: a deque and one wake-up future.
 
@@ -183,7 +256,7 @@ class _Stream:
         self.index = index
         self.pending: dict[str, _Waiter] = {}
         self.alive = True
-        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=_SEND_QUEUE)
+        self._queue = _SendQueue(_SEND_QUEUE)
         self._mux = mux
         self._call = mux._open_call(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"triton-stream-reader-{index}")
@@ -197,10 +270,19 @@ class _Stream:
                 return
             yield item  # type: ignore[misc]
 
-    async def send(self, request_id: str, waiter: _Waiter, payload: bytes) -> None:
+    async def send(self, request_id: str, waiter: _Waiter, payload: bytes, deadline: float | None) -> None:
+        """Queue ``payload`` for ``waiter``; a full queue is waited on until ``deadline`` (TimeoutError).
+
+        When the stream dies meanwhile this returns at once without queueing: ``waiter`` already holds the error.
+        """
         self.pending[request_id] = waiter
+        queue = self._queue
         try:
-            await self._queue.put(payload)
+            if not queue.full():
+                queue.put_nowait(payload)  # the usual case: no timer
+                return
+            async with asyncio.timeout_at(deadline):
+                await queue.put(payload)
         except BaseException:
             self.pending.pop(request_id, None)
             raise
@@ -253,12 +335,10 @@ class _Stream:
     def _fail(self, error: TritonError, *, cause: BaseException | None) -> None:
         if self.alive:
             # Let the request iterator finish on its own: grpc's task may be suspended inside it (awaiting the
-            # queue), and a generator finalised there logs "asynchronous generator is already running".
+            # queue), and a generator finalised there logs "asynchronous generator is already running". Closing
+            # also wakes every sender waiting for room in a full queue.
             self.alive = False
-            try:
-                self._queue.put_nowait(_END_OF_REQUESTS)
-            except asyncio.QueueFull:
-                self._call.cancel()
+            self._queue.close()
         pending, self.pending = self.pending, {}
         for request_id, waiter in pending.items():
             exc = _copy_for(error, model=waiter.model, request_id=request_id, sequence_id=waiter.sequence_id)
@@ -431,7 +511,7 @@ class SharedStreamCall:
             waiter = _Waiter(many=self._many, model=self._model, sequence_id=self._sequence_id)
             if self._on_send is not None:
                 self._on_send()
-            await stream.send(request_id, waiter, payload)
+            await stream.send(request_id, waiter, payload, self._deadline)
         except BaseException:
             mux._room.release()
             raise
