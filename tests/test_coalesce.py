@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +22,9 @@ from triton_npu_client import (
     RequestTimeout,
 )
 from triton_npu_client._call._coalesce import Coalescer, merge, split
+from triton_npu_client._client._client import DEFAULT_COALESCING
 from triton_npu_client._model import ModelSpec, build_request
+from triton_npu_client._transport import GrpcTransport, Transport
 from triton_npu_client._wire import InferRequest
 
 MODEL = "scale_fp32"
@@ -59,6 +63,7 @@ class _Gate:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.sent: list[int] = []  # rows of each merged request, in the order they were sent
+        self.timeouts: list[float | None] = []  # the timeout each was sent with
         self._opened: collections.defaultdict[int, asyncio.Event] = collections.defaultdict(asyncio.Event)
 
     def open(self, *indexes: int) -> None:
@@ -66,11 +71,12 @@ class _Gate:
         for i in indexes:
             self._opened[i].set()
 
-    async def __call__(self, merged: InferRequest) -> InferResult:
+    async def __call__(self, merged: InferRequest, timeout_s: float | None) -> InferResult:
         index = len(self.sent)
         self.sent.append(merged.batch_size or 0)
+        self.timeouts.append(timeout_s)
         await self._opened[index].wait()
-        return await self.model.infer_request(merged)
+        return await self.model.infer_request(merged, timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -253,7 +259,7 @@ async def test_each_caller_of_a_failed_merged_request_gets_its_own_exception(tri
         model = await plain.model(MODEL)
         raised: list[ConnectError] = []
 
-        async def send(merged: InferRequest) -> InferResult:
+        async def send(merged: InferRequest, timeout_s: float | None) -> InferResult:
             raised.append(ConnectError("the connection broke", model=merged.model, status="UNAVAILABLE"))
             raise raised[-1]
 
@@ -287,7 +293,7 @@ async def test_a_refused_merged_request_is_resent_caller_by_caller(triton_server
         model = await plain.model(MODEL)
         sent: list[int] = []
 
-        async def send(request: InferRequest) -> InferResult:
+        async def send(request: InferRequest, timeout_s: float | None) -> InferResult:
             # Stands in for a model that refuses a batch holding one bad row (a negative value here).
             sent.append(request.batch_size or 0)
             if (request.inputs[0].array < 0).any():
@@ -316,7 +322,7 @@ async def test_the_default_client_coalesces_only_dynamic_batching_models(triton_
         request = dynamic.request(INPUT0=[1.0])
         assert coalescer.eligible(request, max_batch_size=64, dynamic_batching=True)
         assert not coalescer.eligible(request, max_batch_size=64, dynamic_batching=False)
-        everything = Coalescer(Coalescing())
+        everything = Coalescer(Coalescing(models="batched"))
         assert everything.eligible(request, max_batch_size=64, dynamic_batching=False)
     async with Client(triton_server.grpc_url, coalescing=None) as off:
         assert (await off.model(MODEL)).caller.coalescer is None
@@ -328,7 +334,7 @@ async def test_cancelling_aclose_cancels_its_caller_and_the_coalescer_still_clos
         model = await plain.model(MODEL)
         holding, unwinding, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-        async def send(merged: InferRequest) -> InferResult:
+        async def send(merged: InferRequest, timeout_s: float | None) -> InferResult:
             result = await model.infer_request(merged)
             try:
                 holding.set()
@@ -354,3 +360,75 @@ async def test_cancelling_aclose_cancels_its_caller_and_the_coalescer_still_clos
             await caller
         with pytest.raises(ClientClosedError):
             await coalescer.infer(model.request(INPUT0=[2.0]), timeout_s=None, max_batch_size=64, send=send)
+
+
+async def test_a_merged_request_is_sent_with_the_earliest_members_remaining_budget(triton_server: LocalTriton) -> None:
+    """b waits 0.3 s behind a, then leaves with c (called just now): the merged call's timeout is what remains of
+    b's 60 s, not c's and not a whole 60 s; a request sent at once gets (nearly) its whole timeout."""
+    timeout = 60.0
+    holding = _HoldingTransport(GrpcTransport(f"127.0.0.1:{triton_server.grpc_port}"))
+    async with Client(
+        triton_server.grpc_url, transport=holding, timeout_s=timeout, coalescing=Coalescing(max_in_flight=1)
+    ) as client:
+        model = await client.model(MODEL)
+        loop = asyncio.get_running_loop()
+        a = asyncio.create_task(model.infer(INPUT0=[1.0]))
+        await holding.called.wait()  # a is out, held: b queues behind it
+        b = asyncio.create_task(model.infer(INPUT0=[2.0]))
+        await asyncio.sleep(0)
+        b_queued = loop.time()
+        await asyncio.sleep(0.3)  # b's budget shrinks while it waits for the slot (what this test is about)
+        waited = loop.time() - b_queued
+        c = asyncio.create_task(model.infer(INPUT0=[3.0]))
+        await asyncio.sleep(0)
+        holding.release.set()
+        async with asyncio.timeout(30):  # only a hang-guard
+            ra, rb, rc = await asyncio.gather(a, b, c)
+    assert [r["OUTPUT0"].tolist() for r in (ra, rb, rc)] == [[[2.0]], [[4.0]], [[6.0]]]
+    assert holding.rows == [1, 2]  # a alone, then b and c merged
+    first, merged = holding.timeouts
+    assert first is not None
+    assert timeout - 0.25 < first <= timeout
+    assert merged is not None
+    assert merged <= timeout - waited
+
+
+class _HoldingTransport:
+    """The real transport; every inference call records its rows and timeout, then waits for :attr:`release`."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.rows: list[int] = []
+        self.timeouts: list[float | None] = []
+        self.called = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def call(self, request: InferRequest, **kw: Any) -> Any:
+        self.rows.append(request.batch_size or 0)
+        self.timeouts.append(kw["timeout_s"])
+        self.called.set()
+        return _Held(self.inner.call(request, **kw), self.release)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _Held:
+    def __init__(self, responses: Any, release: asyncio.Event) -> None:
+        self._responses = responses
+        self._release = release
+
+    async def single(self) -> InferResult:
+        await self._release.wait()
+        result: InferResult = await self._responses.single()
+        return result
+
+
+def test_one_default_for_coalescing() -> None:
+    """Coalescing() is what a client uses when told nothing: dynamic_batching models only, as documented."""
+    assert Coalescing().models == "dynamic_batching"
+    assert Coalescing() == DEFAULT_COALESCING
+    assert inspect.signature(Client).parameters["coalescing"].default == Coalescing()
+    from triton_npu_client import ClientConfig
+
+    assert ClientConfig(url="grpc://127.0.0.1:1").coalescing == Coalescing()

@@ -98,7 +98,8 @@ class Caller:
                 request,
                 timeout_s=timeout_s,
                 max_batch_size=max_batch_size,
-                send=lambda merged: self._send(merged, timeout_s, "", policy),
+                # The merged request's own budget (its earliest member's), not this caller's whole timeout.
+                send=lambda merged, budget_s: self._send(merged, budget_s, "", policy),
             )
         return await self._send(request, timeout_s, request_id, policy)
 

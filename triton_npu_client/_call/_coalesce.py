@@ -21,7 +21,9 @@ coalescer owns: the requests each batch is cut from and that ``aclose`` must fai
 Deadlines: a caller's timeout runs from the moment it calls and covers waiting for room, queueing and the
 merged call. A caller whose deadline passes before its request leaves gets
 :class:`~triton_npu_client.RequestTimeout` and nothing is sent for it. A merged request runs under the
-earliest deadline of its members (the smallest remaining budget), so no member waits past its own.
+earliest deadline of its members, so no member waits past its own: ``send`` gets the earliest member's remaining
+budget as its timeout (the gRPC deadline and Triton's server-side timeout), and the coalescer cancels the wait at
+that deadline whatever ``send`` does with it.
 The timeout setting (``timeout_s``, not the absolute deadline) is part of the group: callers that use the
 same setting merge, and their deadlines differ only by when they arrived, so the earliest one cuts a later
 member short by at most that spread; callers with other settings (1 s and 60 s, say) never share a request,
@@ -78,22 +80,22 @@ class Coalescing:
     ``max_queued``: requests waiting per group to be merged; further callers wait for room (their timeout
     runs meanwhile). None (the default) is 4 times the model's ``max_batch_size``. A value below
     ``max_batch_size`` also caps how many requests one batch can take.
-    A client coalesces by default for models with ``dynamic_batching`` only (``models="dynamic_batching"``):
-    their authors already let Triton merge requests. A merged request the server refuses (a model error, an
-    input it rejects) is re-sent caller by caller, so each caller gets its own answer or its own error; a
-    transport failure or a timeout reaches every caller in the batch (each its own copy).
+    ``models``: which models coalesce. ``"dynamic_batching"`` (the default, and the client's): only models whose
+    config has ``dynamic_batching``, whose authors already let Triton merge requests; ``"batched"``: any model with a
+    batch dimension (``max_batch_size`` > 1). A merged request the server refuses (a model error, an input it
+    rejects) is re-sent caller by caller, so each caller gets its own answer or its own error; a transport failure
+    or a timeout reaches every caller in the batch (each its own copy).
     """
 
     max_in_flight: int = attrs.field(default=2, validator=attrs.validators.ge(1))
-    # Which models: "dynamic_batching", those whose config lets Triton merge requests (the client's default);
-    # "batched", any model with a batch dimension (max_batch_size > 1).
     models: Literal["dynamic_batching", "batched"] = attrs.field(
-        default="batched", validator=attrs.validators.in_(("dynamic_batching", "batched"))
+        default="dynamic_batching", validator=attrs.validators.in_(("dynamic_batching", "batched"))
     )
     max_queued: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
 
 
-Send = Callable[[InferRequest], Awaitable[InferResult]]
+# send(request, timeout_s): the request's own call, under ``timeout_s`` (None: no limit).
+Send = Callable[[InferRequest, float | None], Awaitable[InferResult]]
 _Place = dict["_Waiting", None]  # an insertion-ordered set: FIFO, and O(1) removal of a cancelled caller
 
 
@@ -214,6 +216,13 @@ def split(result: InferResult, sizes: list[int]) -> list[InferResult]:
     return out
 
 
+def _budget(limit: asyncio.Timeout) -> float:
+    """What remains until ``limit``'s deadline, in seconds (0 once it has passed): the timeout ``send`` gets."""
+    when = limit.when()
+    assert when is not None  # only made with a deadline
+    return max(0.0, when - asyncio.get_running_loop().time())
+
+
 class Coalescer:
     """The queues of one client. :meth:`infer` sends a request alone or with others, as slots allow."""
 
@@ -244,9 +253,9 @@ class Coalescer:
         """Send ``request`` (possibly merged with others) through ``send`` and return its own result.
 
         ``timeout_s`` (None: no limit) counts from this call and covers the wait here and the merged call.
-        A merged request goes through the ``send`` of its oldest caller, under the earliest deadline of its
-        callers: it is cancelled when that passes (they get ``RequestTimeout``), whatever timeout ``send``
-        itself applies.
+        A merged request goes through the ``send`` of its oldest caller with the earliest deadline of its callers:
+        ``send`` gets what remains of it as its timeout, and the coalescer cancels the call when it passes (they get
+        ``RequestTimeout``), whatever ``send`` does with that timeout.
         """
         if self._closed:
             raise ClientClosedError(_CLOSED)
@@ -375,10 +384,10 @@ class Coalescer:
         try:
             merged = merge([w.request for w in batch])
             if limit is None:
-                result = await batch[0].send(merged)
+                result = await batch[0].send(merged, None)
             else:
                 async with limit:
-                    result = await batch[0].send(merged)
+                    result = await batch[0].send(merged, _budget(limit))
             parts = split(result, [w.request.batch_size or 0 for w in batch])
         except asyncio.CancelledError:
             for w in batch:
@@ -408,10 +417,10 @@ class Coalescer:
     async def _alone(w: _Waiting, limit: asyncio.Timeout | None) -> None:
         try:
             if limit is None:
-                result = await w.send(w.request)
+                result = await w.send(w.request, None)
             else:
                 async with asyncio.timeout_at(limit.when()):
-                    result = await w.send(w.request)
+                    result = await w.send(w.request, _budget(limit))
         except Exception as err:
             if not w.future.done():
                 w.future.set_exception(err)
