@@ -130,12 +130,16 @@ class Rig:
         max_ctx: int = 256,
         default_max_tokens: int = 12,
         stream_interval_s: float = 0.0,
+        cancel_check_every: int = 1,
+        evict_min_idle_s: float | None = None,
     ) -> None:
         self.clock = FakeClock()
         model = _load(checkpoint)
         self.tokenizer = ChatTokenizer(checkpoint)
         self.cache = KVCache.allocate(model, slots=slots, max_ctx=max_ctx)
-        self.slots = SequenceSlots(capacity=slots, idle_timeout_s=5.0, grace_s=0.5, clock=self.clock)
+        self.slots = SequenceSlots(
+            capacity=slots, idle_timeout_s=5.0, grace_s=0.5, clock=self.clock, evict_min_idle_s=evict_min_idle_s
+        )
         self.engine = ChatEngine(
             model,
             self.tokenizer,
@@ -154,10 +158,13 @@ class Rig:
             final_flag=FINAL,
             error_response=lambda message: ("error", message),
             clock=self.clock,
-            cancel_check_every=1,  # every turn asked every pass: tests cancel at an exact pass
+            # 1: every turn asked every pass, so tests cancel at an exact pass; the isolation tests use the default.
+            cancel_check_every=cancel_check_every,
+            overlap="supersede",  # as the chat model runs it
             start=False,
         )
         self.started: set[int] = set()
+        self.turns: dict[int, ChatTurn] = {}  # each key's latest turn
 
     def submit(self, key: int, roles: Sequence[str] = (), texts: Sequence[str] = (), *, end: bool = False,
                start: bool | None = None, **options: Any) -> Sender:
@@ -166,6 +173,7 @@ class Rig:
         self.started.add(key)
         turn = self.engine.parse(start=start, end=end, roles=list(roles) or None, texts=list(texts) or None,
                                  **options)
+        self.turns[key] = turn
         sender = Sender()
         assert self.loop.submit(key, sender, turn) is None
         return sender
@@ -444,7 +452,19 @@ def test_the_idle_sweep_frees_the_cache(checkpoint: Path) -> None:
         ({"roles": ["user"], "texts": [b"\xff"]}, "TEXT[0] is not valid UTF-8"),
         ({"roles": ["user"], "texts": ["a"], "max_tokens": 0}, "MAX_TOKENS must be >= 1, got 0"),
         ({"roles": ["user"], "texts": ["a"], "top_p": 0.0}, "TOP_P must be in (0, 1], got 0.0"),
-        ({"roles": ["user"], "texts": ["a"], "temperature": -1.0}, "TEMPERATURE must be >= 0"),
+        ({"roles": ["user"], "texts": ["a"], "temperature": -1.0}, "TEMPERATURE must be a finite number >= 0"),
+        ({"roles": ["user"], "texts": ["a"], "temperature": float("nan")}, "TEMPERATURE must be a finite number"),
+        ({"roles": ["user"], "texts": ["a"], "temperature": float("inf")}, "TEMPERATURE must be a finite number"),
+        ({"roles": ["user"], "texts": ["a"], "top_p": float("nan")}, "TOP_P must be in (0, 1], got nan"),
+        ({"roles": ["user"], "texts": ["a"], "top_k": -1}, "TOP_K must be >= 0, got -1"),
+        ({"roles": ["user"], "texts": ["a"], "min_tokens": -1}, "MIN_TOKENS must be in 0..MAX_TOKENS"),
+        # Sizes are judged on raw bytes before decoding: 10 MB that are not even UTF-8 are refused for their size.
+        ({"roles": ["user"], "texts": [b"\xff" * 10_000_000]}, "TEXT[0] has 10000000 bytes; at most 65536"),
+        ({"roles": ["user"] * 5, "texts": [b"x" * 60_000] * 5}, "TEXT has 300000 bytes in all; at most 262144"),
+        ({"roles": ["user"] * 513, "texts": ["a"] * 513}, "TEXT has 513 messages; at most 512"),
+        ({"roles": ["user"], "texts": ["a"], "stop": [b"s"] * 200}, "STOP has 200 strings; at most 16"),
+        ({"roles": ["user"], "texts": ["a"], "stop": [b"\xff" * 10_000]}, "STOP[0] has 10000 bytes; at most 256"),
+        ({"roles": [b"\xff" * 1000], "texts": ["a"]}, "ROLE[0] must be one of"),
         ({"roles": None, "texts": None}, "a turn needs ROLE and TEXT"),
         (
             {"roles": ["user"], "texts": ["a"], "max_tokens": 4, "min_tokens": 5},
@@ -465,3 +485,241 @@ def test_keys_are_independent(checkpoint: Path) -> None:
     keys = itertools.count(2)
     again = rig.turn(next(keys), ["system", "user"], ["Alpha.", "Where are you going?"])
     assert again.reply == first.reply
+
+
+# --- isolation: one conversation never harms another -----------------------------------------------------------
+
+OTHERS = [f"You are guest number {i}. {SENTENCES[i % len(SENTENCES)]}" for i in range(6)]
+
+
+def solo_replies(checkpoint: Path, **options: Any) -> list[bytes]:
+    """Each of OTHERS' first replies, computed alone."""
+    out = []
+    for system in OTHERS:
+        out.append(Rig(checkpoint).turn(1, ["system", "user"], [system, "Where are you going?"], **options).reply)
+    return out
+
+
+def start_others(rig: Rig, **options: Any) -> list[Sender]:
+    return [
+        rig.submit(100 + i, ["system", "user"], [system, "Where are you going?"], **options)
+        for i, system in enumerate(OTHERS)
+    ]
+
+
+def test_cancel_then_close_at_once_harms_no_other_conversation_and_frees_the_slot(checkpoint: Path) -> None:
+    """With the default cancellation sampling: a turn cancelled and its chat closed at once (Ctrl-C in `async with`).
+
+    Today's main freed the slot for the close while the cancelled turn was still in the batch: every other
+    conversation's turn failed with a KeyError. Now the close retires the turn first and answers "closed".
+    """
+    want = solo_replies(checkpoint, max_tokens=20)
+    rig = Rig(checkpoint, cancel_check_every=4)
+    victim = rig.submit(1, ["user"], ["The cat sat on the mat."], max_tokens=200, min_tokens=200)
+    others = start_others(rig, max_tokens=20)
+    for _ in range(3):
+        rig.loop.run_pass()
+    victim.cancel = True
+    close = rig.submit(1, end=True)  # before any pass noticed the cancellation
+    rig.run(victim, close, *others)
+    assert [o.refusal for o in others] == [None] * len(others)
+    assert [o.reply for o in others] == want
+    assert close.last.finish == "closed"
+    assert rig.slots.slot_of(1) is None
+    held = sum(o.last.context_tokens for o in others) * kv_bytes_per_position(rig.engine.model)
+    assert (rig.engine.live, rig.engine.kv_bytes) == (len(others), held)
+
+
+def test_close_while_a_turn_streams_ends_the_turn_and_frees_the_slot(checkpoint: Path) -> None:
+    """An END-only request while a turn streams (not cancelled) is never refused: the turn stops, is rolled back."""
+    rig = Rig(checkpoint, cancel_check_every=4)
+    rig.turn(1, ["user"], ["Hi."])
+    streaming = rig.submit(1, ["user"], ["The cat sat on the mat."], max_tokens=200, min_tokens=200)
+    rig.loop.run_pass()
+    rig.loop.run_pass()
+    close = rig.submit(1, end=True)
+    rig.run(streaming, close)
+    assert streaming.refusal is not None
+    assert "superseded" in streaming.refusal[1]
+    assert close.last.finish == "closed"
+    assert (rig.engine.live, rig.engine.kv_bytes) == (0, 0)
+
+
+def test_cancel_then_next_turn_at_once_gives_the_reply_of_a_conversation_without_the_cancelled_turn(
+    checkpoint: Path,
+) -> None:
+    """Cancel and send the next turn at once, six others generating: the next turn equals a reference, others too."""
+    want = solo_replies(checkpoint, max_tokens=20)
+    ref = Rig(checkpoint)
+    ref.turn(1, ["system", "user"], ["Be brief.", "The cat sat on the mat."])
+    expected = ref.turn(1, ["user"], ["A quiet morning came."]).reply
+    rig = Rig(checkpoint, cancel_check_every=4)
+    rig.turn(1, ["system", "user"], ["Be brief.", "The cat sat on the mat."])
+    victim = rig.submit(1, ["user"], ["Where are you going?"], max_tokens=200, min_tokens=200)
+    others = start_others(rig, max_tokens=20)
+    for _ in range(3):
+        rig.loop.run_pass()
+    victim.cancel = True
+    after = rig.submit(1, ["user"], ["A quiet morning came."])
+    rig.run(victim, after, *others)
+    assert after.refusal is None
+    assert after.reply == expected
+    assert [o.reply for o in others] == want
+
+
+def test_a_tiny_temperature_is_greedy_and_fails_nobody(checkpoint: Path) -> None:
+    """TEMPERATURE 1e-39 (legal, positive) is below the floor: greedy. Today's main made the logits inf and
+    multinomial raised for every turn of the batch."""
+    want = solo_replies(checkpoint, max_tokens=20)
+    greedy = Rig(checkpoint).turn(1, ["user"], ["The cat sat on the mat."], max_tokens=20).reply
+    rig = Rig(checkpoint, cancel_check_every=4)
+    others = start_others(rig, max_tokens=20)
+    tiny = rig.submit(1, ["user"], ["The cat sat on the mat."], max_tokens=20, temperature=1e-39, seed=3)
+    rig.run(tiny, *others)
+    assert tiny.refusal is None
+    assert tiny.reply == greedy
+    assert [o.reply for o in others] == want
+
+
+@pytest.mark.parametrize("where", ["sample", "decode"])
+def test_a_turn_that_makes_the_step_raise_fails_alone_and_the_others_stay_exact(checkpoint: Path, where: str) -> None:
+    """An injected culprit: its logits NaN (sampling raises), or the forward raising whenever its slot is in it.
+
+    The others sample with seeds: the retry after the raise restores their generators and replies, so each gets
+    exactly its solo reply.
+    """
+    options: dict[str, Any] = {"max_tokens": 16, "temperature": 1.0, "seed": 11}
+    want = solo_replies(checkpoint, **options)
+    rig = Rig(checkpoint, cancel_check_every=4)
+    others = start_others(rig, **options)
+    culprit = rig.submit(1, ["user"], ["The cat sat on the mat."], **options)
+    rig.loop.run_pass()
+    rig.loop.run_pass()
+    turn = rig.turns[1]
+    if where == "sample":
+        assert turn.logits is not None
+        turn.logits = torch.full_like(turn.logits, float("nan"))
+    else:
+        decode = rig.engine._decode
+
+        def failing(turns: list[ChatTurn]) -> None:
+            if any(t is turn for t in turns):
+                raise RuntimeError("injected forward failure")
+            decode(turns)
+
+        rig.engine._decode = failing  # type: ignore[method-assign]
+    rig.run(culprit, *others)
+    assert culprit.refusal is not None
+    assert culprit.refusal[0] == "error"
+    assert "computing the next response failed" in culprit.refusal[1]
+    assert [o.refusal for o in others] == [None] * len(others)
+    assert [o.reply for o in others] == want
+    # The culprit's turn was rolled back; its conversation takes the next turn.
+    rig.engine._decode = decode if where == "decode" else rig.engine._decode  # type: ignore[method-assign]
+    assert rig.turn(1, ["user"], ["Hi."]).last.finish in ("stop", "length")
+
+
+def test_parse_tokenises_the_messages_so_admit_does_not(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's thread never tokenises a request's messages: parse did it on the execute thread."""
+    rig = Rig(checkpoint)
+    turn = rig.engine.parse(start=True, end=False, roles=["system", "user"], texts=["Be brief.", "Hi there."])
+    assert turn.encoded == tuple(rig.tokenizer.encode_message(m) for m in turn.messages)
+    calls: list[str] = []
+    encode = rig.tokenizer.encode
+    def counting(text: str) -> list[int]:
+        calls.append(text)
+        return encode(text)
+
+    monkeypatch.setattr(rig.tokenizer, "encode", counting)
+    sender = Sender()
+    assert rig.loop.submit(1, sender, turn) is None
+    rig.loop.run_pass()  # admission and the first step
+    assert calls == []
+
+
+def test_eviction_takes_the_longest_idle_conversation_never_a_generating_one(checkpoint: Path) -> None:
+    """At the cap, a START takes the slot of the conversation idle longest; that one's next turn is unknown."""
+    rig = Rig(checkpoint, slots=2, evict_min_idle_s=1.0)
+    rig.turn(1, ["user"], ["Hi."])
+    rig.clock.now += 0.5
+    rig.turn(2, ["user"], ["Hello."])
+    early = rig.submit(3, ["user"], ["Hey."])
+    rig.run(early)
+    assert early.refusal[0] == "capacity"  # nobody has idled 1 s yet
+    rig.clock.now += 0.8  # 1 idled 1.3 s, 2 idled 0.8 s
+    third = rig.turn(3, ["user"], ["Hey."], start=True)  # its first START was refused
+    assert third.last.live == 2
+    assert rig.slots.slot_of(1) is None
+    assert rig.slots.evicted == 1
+    slot2 = rig.slots.slot_of(2)
+    assert slot2 is not None
+    assert third.last.kv_bytes == (third.last.context_tokens + rig.cache.lengths[slot2]) * (
+        kv_bytes_per_position(rig.engine.model)
+    )
+    lost = rig.submit(1, ["user"], ["Still there?"], start=False)
+    rig.run(lost)
+    assert lost.refusal[0] == "unknown"
+    assert "[triton-npu:sequence-unknown]" in lost.refusal[1]
+    assert "evicted" in lost.refusal[1]
+    # 2 generates a long turn; 3 idles: a new START takes 3's slot, never 2's, even though 2 was seen earlier.
+    long = rig.submit(2, ["user"], ["The cat sat on the mat."], max_tokens=60, min_tokens=60)
+    rig.loop.run_pass()
+    rig.clock.now += 5.0
+    fourth = rig.submit(4, ["user"], ["Good day."])
+    rig.run(fourth)
+    assert fourth.refusal is None
+    assert rig.slots.slot_of(3) is None
+    assert rig.slots.slot_of(2) is not None
+    # Both slots busy generating now (2, and a new long turn of 4): a START is refused, nobody is evicted.
+    busy = rig.submit(4, ["user"], ["Tell me more."], max_tokens=60, min_tokens=60)
+    rig.loop.run_pass()
+    rig.clock.now += 5.0
+    refused = rig.submit(5, ["user"], ["Hi."])
+    rig.run(refused)
+    assert refused.refusal[0] == "capacity"
+    rig.run(long, busy)
+    assert long.refusal is None
+    assert busy.refusal is None
+
+
+def test_every_release_goes_through_the_slots_and_the_engine_forgets_the_conversation(checkpoint: Path) -> None:
+    """END, a restart by START, the sweep and an END for a sequence already gone: the slots own the truth."""
+    rig = Rig(checkpoint, slots=2)
+    first = rig.turn(1, ["user"], ["Hi."])
+    restarted = rig.turn(1, ["system", "user"], ["Be brief.", "Hello."], start=True)
+    per = kv_bytes_per_position(rig.engine.model)
+    assert restarted.last.kv_bytes == restarted.last.context_tokens * per  # nothing of the first turn is held
+    assert restarted.last.digest != first.last.digest
+    rig.clock.now += 10.0
+    rig.turn(2, ["user"], ["Hey."])  # the sweep frees 1
+    assert rig.engine._conversations.keys() == {rig.slots.slot_of(2)}
+    gone = rig.submit(1, end=True)  # closing what the server no longer holds: done, never refused
+    rig.run(gone)
+    assert gone.last.finish == "closed"
+
+
+def test_the_digest_chain_matches_the_client_rule_and_undoes_one_turn(checkpoint: Path) -> None:
+    """The last response carries history_digest over the turns; a stale digest undoes the last turn once."""
+    from triton_npu_client.server._digest import EMPTY, history_digest
+
+    rig = Rig(checkpoint)
+    one = rig.turn(1, ["system", "user"], ["Be brief.", "The cat sat on the mat."])
+    d1 = history_digest(EMPTY, [("system", "Be brief."), ("user", "The cat sat on the mat.")], text(one))
+    assert one.last.digest == d1
+    two = rig.turn(1, ["user"], ["Where are you going?"], digest=d1)
+    d2 = history_digest(d1, [("user", "Where are you going?")], text(two))
+    assert two.last.digest == d2
+    # The client never saw turn two end: it sends d1 again. The server undoes turn two and goes on.
+    again = rig.turn(1, ["user"], ["A quiet morning came."], digest=d1)
+    ref = Rig(checkpoint)
+    ref.turn(1, ["system", "user"], ["Be brief.", "The cat sat on the mat."])
+    want = ref.turn(1, ["user"], ["A quiet morning came."])
+    assert again.reply == want.reply
+    assert again.last.digest == want.last.digest == history_digest(d1, [("user", "A quiet morning came.")],
+                                                                  text(want))
+    # d2, the history that was undone, or any other: not a history the server holds.
+    stale = rig.submit(1, ["user"], ["Hi."], digest=d2)
+    rig.run(stale)
+    assert stale.refusal[0] == "unknown"
+    assert "history differs" in stale.refusal[1]
+    assert rig.turn(1, ["user"], ["Hi."], digest=again.last.digest).refusal is None

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from triton_npu_client.server import SEQUENCE_BUSY, ExitReason, StepLoop, StepOutput, Stream
+from triton_npu_client.server._generate import DEFAULT_CANCEL_CHECK_EVERY
 
 FINAL = 1
 DEADLINE_S = 30.0  # only a bound on waiting for an event; never reached when the code is right
@@ -89,11 +90,19 @@ class Model:
         self.refuse: set[Any] = set()
         self.fail_step = False
         self.fail_admit = False
+        # Keys whose presence makes step (or admit) raise, before it mutates anything.
+        self.poison_step: set[Any] = set()
+        self.poison_admit: set[Any] = set()
 
     def step(self, due: Sequence[Stream[Job]]) -> list[StepOutput]:
-        self.batches.append([s.key for s in due])
+        keys = [s.key for s in due]
+        self.batches.append(keys)
+        if len(set(keys)) != len(keys):
+            raise AssertionError(f"two streams of one sequence in one step: {keys}")
         if self.fail_step:
             raise ValueError("boom in step")
+        if bad := self.poison_step.intersection(keys):
+            raise ValueError(f"poisoned step {sorted(bad)}")
         outs = []
         for s in due:
             if s.job.n == 0:
@@ -109,6 +118,8 @@ class Model:
         self.admitted.append(([s.key for s in new], [s.key for s in running]))
         if self.fail_admit:
             raise ValueError("boom in admit")
+        if bad := self.poison_admit.intersection(s.key for s in new):
+            raise ValueError(f"poisoned admit {sorted(bad)}")
         return [("refused", s.key) if s.key in self.refuse else None for s in new]
 
     def on_exit(self, stream: Stream[Job], reason: ExitReason) -> None:
@@ -465,7 +476,10 @@ def test_a_step_after_a_cancelled_one_is_accepted_at_once_and_runs_after_it_is_r
     while loop.run_pass() is not None:
         pass
     assert model.exits[0] == (7, "cancelled")  # the old stream left before the new one ran
-    assert old.responses == [(7, 1)]
+    assert old.responses[0] == (7, 1)
+    assert old.flags == [0, FINAL]
+    assert SEQUENCE_BUSY in old.responses[-1][1]
+    assert "superseded" in old.responses[-1][1]
     assert new.responses == [(7, 1), (7, 2)]
     assert loop.submit(7, FakeSender(), Job(1)) is None
 
@@ -483,3 +497,138 @@ def test_a_step_of_a_busy_sequence_waits_for_the_previous_one_within_the_grace()
         assert old.responses == [(7, 1), (7, 2), (7, 3)]
     finally:
         loop.close()
+
+
+# --- one stream per sequence, with the default cancellation sampling ------------------------------------------
+
+
+def default_loop(model: Model, **kwargs: Any) -> StepLoop[Job]:
+    """The loop as the chat model runs it: superseding, and asking only a share of the streams each pass."""
+    assert DEFAULT_CANCEL_CHECK_EVERY > 1  # else these tests would not test the sampling
+    return make_loop(model, start=False, cancel_check_every=DEFAULT_CANCEL_CHECK_EVERY, **kwargs)
+
+
+@pytest.mark.parametrize("overlap", ["refuse", "supersede"])
+def test_cancel_then_next_step_at_once_never_puts_two_streams_of_a_sequence_in_one_pass(overlap: str) -> None:
+    """Eight streams; 4 is cancelled and its next step sent at once, before a pass asked 4: the old one leaves first.
+
+    Today's main accepted the new step (its predecessor was cancelled) and the loop, asking a quarter of the
+    streams per pass, ran both in one step: every other stream failed with it.
+    """
+    model = Model()
+    loop = default_loop(model, overlap=overlap)
+
+    class Counting(FakeSender):
+        asked = 0
+
+        def is_cancelled(self) -> bool:
+            self.asked += 1
+            return self.cancel
+
+    senders = {key: Counting() for key in range(1, 9)}
+    for key, sender in senders.items():
+        assert loop.submit(key, sender, Job(6)) is None
+    loop.run_pass()  # admission: every stream asked
+    # Rotate until a pass asks 4: the next pass asks two of the others, not 4.
+    while True:
+        asked = senders[4].asked
+        loop.run_pass()
+        if senders[4].asked > asked:
+            break
+    senders[4].cancel = True
+    nxt = FakeSender()
+    assert loop.submit(4, nxt, Job(3)) is None
+    while loop.run_pass() is not None:
+        pass
+    assert all(len(set(keys)) == len(keys) for keys in model.batches), model.batches
+    assert nxt.responses == [(4, 1), (4, 2), (4, 3)]
+    assert model.exits.index((4, "cancelled")) < model.exits.index((4, "done"))
+    for key, sender in senders.items():
+        if key != 4:
+            assert sender.responses == [(key, i) for i in range(1, 7)], key
+            assert sender.flags.count(FINAL) == 1
+    assert loop.active == 0
+
+
+def test_supersede_retires_a_running_stream_that_was_never_cancelled() -> None:
+    """overlap="supersede": a new step (or an END) of a streaming sequence is accepted at once; the old stream
+    ends as cancelled with a superseded error, in the loop's thread, before the new one is admitted."""
+    model = Model()
+    loop = default_loop(model, overlap="supersede", busy_grace_s=3600.0)  # no grace wait would ever apply
+    old, other = FakeSender(), FakeSender()
+    loop.submit(1, old, Job(100))
+    loop.submit(2, other, Job(5))
+    loop.run_pass()
+    loop.run_pass()
+    closing = FakeSender()
+    assert loop.submit(1, closing, Job(0)) is None  # an END-only close: one pass, no piece
+    assert loop.active == 2  # the old stream is no longer counted: its sequence's stream is the new one
+    loop.run_pass()
+    assert old.responses[:2] == [(1, 1), (1, 2)]
+    assert old.flags == [0, 0, FINAL]
+    message = old.sent[-1][0][1]
+    assert message.startswith(SEQUENCE_BUSY)
+    assert "superseded" in message
+    assert closing.sent == [(None, FINAL)]
+    assert model.exits[:2] == [(1, "cancelled"), (1, "done")]
+    assert model.admitted[-1] == ([1], [2])  # admitted after the old one left the running set
+    assert loop.superseded == 1
+    assert loop.cancelled == 0  # nobody cancelled it
+    while loop.run_pass() is not None:
+        pass
+    assert other.responses == [(2, i) for i in range(1, 6)]
+
+
+def test_a_superseded_stream_still_queued_is_never_admitted() -> None:
+    """Two steps of one sequence before any pass: the older is answered (superseded) and never reaches admit."""
+    model = Model()
+    loop = default_loop(model, overlap="supersede")
+    first, second = FakeSender(), FakeSender()
+    loop.submit(3, first, Job(5))
+    loop.submit(3, second, Job(2))
+    while loop.run_pass() is not None:
+        pass
+    assert first.flags == [FINAL]
+    assert "superseded" in first.sent[0][0][1]
+    assert model.admitted == [([3], [])]
+    assert second.responses == [(3, 1), (3, 2)]
+    assert (3, "cancelled") not in model.exits  # never admitted: nothing of it to free
+
+
+@pytest.mark.parametrize("size", [2, 7])
+def test_a_failing_step_fails_only_the_stream_that_causes_it(size: int) -> None:
+    """step raises whenever stream 2 is in the batch: the loop splits the batch, fails 2 alone, the rest go on."""
+    model = Model()
+    model.poison_step = {2}
+    loop = default_loop(model, overlap="supersede")
+    senders = {key: FakeSender() for key in range(1, size + 1)}
+    for key, sender in senders.items():
+        loop.submit(key, sender, Job(4))
+    while loop.run_pass() is not None:
+        pass
+    victim = senders.pop(2)
+    assert victim.flags == [FINAL]
+    assert victim.sent[0][0][0] == "error"
+    assert "poisoned step [2]" in victim.sent[0][0][1]
+    assert (2, "failed") in model.exits
+    for key, sender in senders.items():
+        assert sender.responses == [(key, i) for i in range(1, 5)], key  # each piece once: the retry is exact
+        assert sender.flags.count(FINAL) == 1
+
+
+def test_a_failing_admit_fails_only_the_stream_that_causes_it() -> None:
+    """admit raises whenever 5 arrives: the others of its pass are admitted; 5 is failed, and on_exit frees it."""
+    model = Model()
+    model.poison_admit = {5}
+    loop = default_loop(model, overlap="supersede")
+    senders = {key: FakeSender() for key in range(1, 7)}
+    for key, sender in senders.items():
+        loop.submit(key, sender, Job(2))
+    while loop.run_pass() is not None:
+        pass
+    victim = senders.pop(5)
+    assert victim.flags == [FINAL]
+    assert "admitting the request failed: poisoned admit [5]" in victim.sent[0][0][1]
+    assert (5, "failed") in model.exits  # admit may have given it something: on_exit is its chance to free it
+    for key, sender in senders.items():
+        assert sender.responses == [(key, 1), (key, 2)]

@@ -25,6 +25,16 @@ costs a rewind plus a prefill of what changed, and usually nothing but the new t
   the oldest messages are dropped (leading system messages are kept) and the rest is prefilled
   again; a turn too long even alone is refused with a clear error. If a reply still reaches the end
   of the context it finishes with ``"context"``.
+- History digest: each conversation keeps ``digest`` (a chain over its committed turns, see ``_digest``)
+  and can undo its last committed turn once. A turn that carries the client's digest proceeds when it
+  matches, rolls the last turn back first when it matches the digest before it (the client never saw
+  that turn end), and is refused as an unknown sequence otherwise.
+
+Isolation: :meth:`ChatEngine.parse` (execute threads) checks every input against :class:`InputLimits` on
+its raw byte length before decoding it, and tokenises the messages, so the loop's thread never touches
+an oversized input and never tokenises a request's messages. ``step`` and ``admit`` may be called again on
+part of a batch after they raised (the StepLoop then looks for the stream that fails): ``step`` changes
+nothing it cannot undo before its last operation that may raise, and ``admit`` is idempotent.
 
 The engine knows nothing of Triton: responses and refusals are built by callbacks the model gives
 (``respond``, ``refuse``), so it is tested as plain Python. torch and tokenizers are imported lazily.
@@ -32,6 +42,7 @@ The engine knows nothing of Triton: responses and refusals are built by callback
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -41,9 +52,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from ._controls import CorrelationId, SequenceControls
+from ._digest import EMPTY, history_digest
 from ._generate import ExitReason, StepOutput, Stream
 from ._gpt2 import GPT2, KVCache
 from ._gpt2 import forward as gpt2_forward
+from ._markers import SEQUENCE_UNKNOWN
 from ._state import SequenceSlots
 
 if TYPE_CHECKING:
@@ -57,6 +70,8 @@ __all__ = [
     "ChatTurn",
     "Conversation",
     "Finish",
+    "GREEDY_BELOW",
+    "InputLimits",
     "TurnOptions",
     "kv_bytes_per_position",
 ]
@@ -64,6 +79,31 @@ __all__ = [
 ROLES: Final = ("system", "user", "assistant")
 Finish = Literal["", "stop", "stop_string", "length", "context", "closed"]
 RefusalKind = Literal["invalid", "capacity", "unknown"]
+
+#: A ``TEMPERATURE`` below this is greedy (vLLM's epsilon): dividing logits by a smaller one overflows them
+#: to inf and sampling fails, while the distribution is already argmax to float precision.
+GREEDY_BELOW: Final = 1e-5
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InputLimits:
+    """Caps on what one request may carry, checked on raw byte lengths before anything is decoded.
+
+    Every cap bounds work that grows with one request's input and would otherwise be done for it alone:
+    decoding, tokenising (on an execute thread: it delays the next requests' arrival) and searching the reply
+    for stop strings on every token. The defaults are the config parameters' defaults.
+    """
+
+    max_messages: int = 512  # ROLE/TEXT entries in one request (a replayed history is one request)
+    max_message_bytes: int = 65536  # UTF-8 bytes of one TEXT entry
+    max_request_bytes: int = 262144  # UTF-8 bytes of all TEXT entries of one request
+    max_stops: int = 16  # STOP entries
+    max_stop_bytes: int = 256  # bytes of one STOP entry
+
+    def __post_init__(self) -> None:
+        for name in ("max_messages", "max_message_bytes", "max_request_bytes", "max_stops", "max_stop_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +114,8 @@ class ChatMessage:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TurnOptions:
-    """How one turn generates. ``temperature`` 0 is greedy (the default); ``top_k`` 0 is off."""
+    """How one turn generates. ``temperature`` below :data:`GREEDY_BELOW` is greedy (0, the default); ``top_k`` 0
+    is off."""
 
     max_tokens: int
     min_tokens: int = 0
@@ -90,9 +131,9 @@ class TurnOptions:
             problems.append(f"MAX_TOKENS must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             problems.append(f"MIN_TOKENS must be in 0..MAX_TOKENS ({self.max_tokens}), got {self.min_tokens}")
-        if not self.temperature >= 0:  # also refuses NaN
-            problems.append(f"TEMPERATURE must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not 0 <= self.temperature < math.inf:  # also refuses NaN
+            problems.append(f"TEMPERATURE must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # also refuses NaN
             problems.append(f"TOP_P must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             problems.append(f"TOP_K must be >= 0, got {self.top_k}")
@@ -103,7 +144,7 @@ class TurnOptions:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,8 +152,8 @@ class ChatResponse:
     """One streamed response of a turn: the new bytes of the reply and where the conversation stands.
 
     ``piece`` may cut a multi-byte UTF-8 character (the client decodes incrementally). ``finish`` is
-    empty while the turn streams and says why it ended on its last response. ``live`` and ``kv_bytes``
-    are filled on that last response only (0 before).
+    empty while the turn streams and says why it ended on its last response. ``live``, ``kv_bytes`` and
+    ``digest`` (the conversation's history digest after the turn) are filled on that last response only.
     """
 
     piece: bytes
@@ -123,6 +164,7 @@ class ChatResponse:
     dropped: int
     live: int
     kv_bytes: int
+    digest: str = EMPTY
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -187,9 +229,19 @@ class ChatTokenizer:
         return b"".join(self.token_bytes[i] for i in ids)
 
 
+@dataclass(frozen=True, slots=True)
+class _Committed:
+    """A conversation's history as it was before its last committed turn: what undoing that turn restores."""
+
+    ids: list[int]
+    spans: list[tuple[int, int]]
+    pinned: int
+    digest: str
+
+
 @dataclass(eq=False)
 class Conversation:
-    """One conversation's history (token ids, message boundaries) and what its slot's cache holds."""
+    """One conversation's history (token ids, message boundaries, digest) and what its slot's cache holds."""
 
     ids: list[int] = field(default_factory=list)
     # (start, end) of each message in ids, oldest first; the leading `pinned` ones (system) are never dropped.
@@ -197,6 +249,16 @@ class Conversation:
     pinned: int = 0
     # The ids whose keys and values the slot's cache holds, in order (len == cache.lengths[slot]).
     cached: list[int] = field(default_factory=list)
+    digest: str = EMPTY
+    undo: _Committed | None = None  # the history before the last committed turn; None once used or when none
+
+    def roll_back(self) -> None:
+        """Undo the last committed turn (the cache is rewound lazily, at the next prefill)."""
+        assert self.undo is not None
+        self.ids, self.spans, self.pinned, self.digest = (
+            self.undo.ids, self.undo.spans, self.undo.pinned, self.undo.digest
+        )
+        self.undo = None
 
 
 @dataclass(eq=False)
@@ -207,6 +269,9 @@ class ChatTurn:
     end: bool
     messages: tuple[ChatMessage, ...]
     options: TurnOptions | None  # None: END with no messages, a close
+    # Each message's template ids, made by parse on an execute thread (None: admit encodes them).
+    encoded: tuple[list[int], ...] | None = None
+    digest: str | None = None  # the client's digest of the history it believes the server holds; None: unchecked
     # Set by admit.
     slot: int = -1
     history: list[int] = field(default_factory=list)  # the conversation's ids after this turn's prompt
@@ -251,9 +316,12 @@ class ChatEngine:
         refuse: Callable[[RefusalKind, str], Any],
         default_max_tokens: int = 64,
         stream_interval_s: float = 0.0,
+        limits: InputLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_thread: Callable[[], None] | None = None,
     ) -> None:
+        if slots.on_release is not None:
+            raise ValueError("slots already has an on_release hook: one SequenceSlots serves one engine")
         if slots.capacity != cache.slots:
             raise ValueError(f"slots.capacity {slots.capacity} != cache slots {cache.slots}")
         if tokenizer.vocab_size > model.config.vocab_size:
@@ -266,12 +334,16 @@ class ChatEngine:
         self.slots = slots
         self.default_max_tokens = default_max_tokens
         self.stream_interval_s = stream_interval_s
+        self.limits = InputLimits() if limits is None else limits
         self._clock = clock
         self._respond = respond
         self._refuse = refuse
         self._on_thread = on_thread
         self._thread_ready: int | None = None
         self._conversations: dict[int, Conversation] = {}
+        # The slots are the one truth of which conversation holds which slot: whatever frees one (END, the idle
+        # sweep, an eviction, a restart by START) comes through here, and the conversation and its cache go.
+        slots.on_release = self._on_release
         self._per_position = kv_bytes_per_position(model)
         # Counters, for tests and logs.
         self.prefilled_tokens = 0
@@ -309,16 +381,51 @@ class ChatEngine:
         top_k: int | None = None,
         seed: int | None = None,
         stop: Sequence[bytes | str] = (),
+        digest: bytes | str | None = None,
     ) -> ChatTurn:
-        """Build one request's job from its inputs; ``ValueError`` naming the input when they are wrong."""
+        """Build one request's job from its inputs, its messages tokenised; ``ValueError`` naming the input.
+
+        Sizes are checked against :attr:`limits` on raw byte lengths before anything is decoded.
+        """
+        limits = self.limits
         roles = list(roles or ())
         texts = list(texts or ())
+        stop = list(stop)
+        if len(texts) > limits.max_messages:
+            raise ValueError(f"TEXT has {len(texts)} messages; at most {limits.max_messages} (parameter max_messages)")
         if len(roles) != len(texts):
             raise ValueError(f"ROLE has {len(roles)} entries but TEXT has {len(texts)}: one role per message")
+        if len(stop) > limits.max_stops:
+            raise ValueError(f"STOP has {len(stop)} strings; at most {limits.max_stops} (parameter max_stops)")
+        total = 0
+        for i, text in enumerate(texts):
+            size = _size(text)
+            if size > limits.max_message_bytes:
+                raise ValueError(
+                    f"TEXT[{i}] has {size} bytes; at most {limits.max_message_bytes} (parameter max_message_bytes)"
+                )
+            total += size
+        if total > limits.max_request_bytes:
+            raise ValueError(
+                f"TEXT has {total} bytes in all; at most {limits.max_request_bytes} (parameter max_request_bytes)"
+            )
+        for i, s in enumerate(stop):
+            if (size := _size(s)) > limits.max_stop_bytes:
+                raise ValueError(
+                    f"STOP[{i}] has {size} bytes; at most {limits.max_stop_bytes} (parameter max_stop_bytes)"
+                )
+        for i, role in enumerate(roles):
+            if _size(role) > 16:  # longer than any role: not worth decoding
+                raise ValueError(f"ROLE[{i}] must be one of {', '.join(ROLES)}, got {_size(role)} bytes")
+        client_digest = None
+        if digest is not None:
+            if _size(digest) > 64:
+                raise ValueError(f"DIGEST must be a history digest (at most 64 characters), got {_size(digest)} bytes")
+            client_digest = _text(digest, "DIGEST")
         if not roles:
             if not end:
                 raise ValueError("a turn needs ROLE and TEXT (at least one user message); only END may come without")
-            return ChatTurn(start=start, end=end, messages=(), options=None)
+            return ChatTurn(start=start, end=end, messages=(), options=None, digest=client_digest)
         messages = []
         for i, (role, text) in enumerate(zip(roles, texts, strict=True)):
             role_s = _text(role, f"ROLE[{i}]")
@@ -336,60 +443,109 @@ class ChatEngine:
             seed=None if seed is None else int(seed),
             stop=tuple(s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in stop),
         )
-        return ChatTurn(start=start, end=end, messages=tuple(messages), options=options)
+        # Tokenised here, on the execute thread: the loop's thread, which decodes for every conversation, never
+        # spends time on one request's text.
+        encoded = tuple(self.tokenizer.encode_message(m) for m in messages)
+        return ChatTurn(
+            start=start, end=end, messages=tuple(messages), options=options, encoded=encoded, digest=client_digest
+        )
 
     # -- StepLoop callbacks (loop thread) -----------------------------------------------------------------
 
     def admit(self, new: Sequence[Stream[ChatTurn]], running: Sequence[Stream[ChatTurn]]) -> list[Any]:
-        """Give each arriving turn its slot and prefill it; a refusal response for those that cannot run."""
+        """Give each arriving turn its slot and prefill it; a refusal response for those that cannot run.
+
+        Idempotent for a turn admitted again after a raise (the StepLoop's culprit search): a START restarts the
+        slot, a digest that matched still matches, and the prefill finds the cache already holding the prompt.
+        """
         self._enter_thread()
-        # Running conversations are listed too, so the idle sweep never frees one that is generating.
+        # Running conversations are listed too, so neither the idle sweep nor an eviction frees one that generates.
         touch = [SequenceControls(correlation_id=s.key) for s in running]
         plan = self.slots.plan(
             [SequenceControls(correlation_id=s.key, start=s.job.start, end=s.job.end) for s in new] + touch,
             has_data=[s.job.options is not None for s in new] + [True] * len(touch),
         )
-        # The plan's idle sweep frees slots without telling us: forget their conversations and caches.
-        held = set(self.slots.held().values())
-        for slot in [s for s in self._conversations if s not in held]:
-            del self._conversations[slot]
-            self.cache.reset(slot)
         verdicts: list[Any] = [None] * len(new)
         for row, refusal in plan.errors.items():
-            if row < len(new):
-                kind: RefusalKind = refusal.reason if refusal.reason in ("capacity", "unknown") else "invalid"  # type: ignore[assignment]
-                verdicts[row] = self._refuse(kind, refusal.message)
+            if row >= len(new):
+                continue
+            if refusal.reason == "unknown" and new[row].job.options is None:
+                # Closing a conversation the server no longer holds (swept, evicted) is done already: an END is
+                # never refused.
+                verdicts[row] = self._respond(self._response(b"", "closed", 0, 0, 0, 0))
+                continue
+            kind: RefusalKind = refusal.reason if refusal.reason in ("capacity", "unknown") else "invalid"  # type: ignore[assignment]
+            verdicts[row] = self._refuse(kind, refusal.message)
         for row, slot in zip(plan.rows, plan.slots, strict=True):
             if row >= len(new):
                 continue
             stream = new[row]
-            if stream.job.start or slot not in self._conversations:
-                self._conversations[slot] = Conversation()
-            stream.job.slot = slot
+            turn = stream.job
+            conv = self._conversations.get(slot)
+            if conv is None:
+                conv = self._conversations[slot] = Conversation()
+            turn.slot = slot
+            if not turn.start and turn.digest is not None and turn.digest != conv.digest:
+                if conv.undo is not None and turn.digest == conv.undo.digest:
+                    # The client never saw the last turn end (it cancelled, or timed out, after the server
+                    # finished it): both sides agree once it is undone.
+                    conv.roll_back()
+                else:
+                    verdicts[row] = self._refuse(
+                        "unknown",
+                        f"{SEQUENCE_UNKNOWN} sequence {stream.key!r}: the conversation's history differs from the "
+                        "client's (history digests differ); start a new conversation, replaying the history",
+                    )
+                    continue
             try:
-                self._prefill(stream.job, self._conversations[slot])
+                self._prefill(turn, conv)
             except _TurnRefused as err:
                 verdicts[row] = self._refuse("invalid", str(err))
-                if stream.job.end:
+                if turn.end:
                     self._release(stream.key)
         # END with no messages: report the conversation as it stands, then free it (no step).
         for row, closing in plan.closes.items():
             if row >= len(new):
                 continue
             context = 0 if closing is None else self.cache.lengths[closing]
+            conv = None if closing is None else self._conversations.get(closing)
+            digest = EMPTY if conv is None else conv.digest
             self._release(new[row].key)
-            verdicts[row] = self._respond(self._response(b"", "closed", 0, 0, context, 0))
+            verdicts[row] = self._respond(self._response(b"", "closed", 0, 0, context, 0, digest=digest))
         return verdicts
 
     def step(self, due: Sequence[Stream[ChatTurn]]) -> list[StepOutput]:
-        """One token for every due turn, then one batched forward for the turns that go on."""
+        """One token for every due turn, then one batched forward for the turns that go on.
+
+        Safe to call again on any part of ``due`` after it raised: the generators sampling advanced and the
+        replies are put back as they were, and nothing else changes before the forward's last write.
+        """
         import torch
 
         self._enter_thread()
         turns = [s.job for s in due]
         logits = torch.stack([t.logits for t in turns if t.logits is not None])
+        if len(logits) != len(turns):
+            raise RuntimeError("a turn in the step has no logits: it was never prefilled")
+        # What the turns had before this step, put back if it raises: the generators sampling advances, the replies.
+        generators = [(t.generator, t.generator.get_state()) for t in turns if t.generator is not None]
+        before = [(len(t.reply_ids), bytes(t.reply[t.sent :])) for t in turns]
+        try:
+            self._advance(logits, turns)
+        except BaseException:
+            for generator, state in generators:
+                generator.set_state(state)
+            for turn, (n_ids, tail) in zip(turns, before, strict=True):
+                del turn.reply_ids[n_ids:]
+                turn.reply[turn.sent :] = tail
+                turn.finish = ""
+            raise
+        # Nothing below raises: the step is decided.
+        return self._emit(turns)
+
+    def _advance(self, logits: torch.Tensor, turns: list[ChatTurn]) -> list[ChatTurn]:
+        """Sample a token for each turn, extend its reply, then decode the turns that go on; return those."""
         tokens = self._sample(logits, turns)
-        outputs: list[StepOutput] = []
         going: list[ChatTurn] = []
         for turn, token in zip(turns, tokens, strict=True):
             options = turn.options
@@ -407,6 +563,17 @@ class ChatEngine:
                     turn.finish = "length"
                 elif self.cache.lengths[turn.slot] >= self.cache.max_ctx:
                     turn.finish = "context"
+            if not turn.finish:
+                going.append(turn)
+        if going:
+            self._decode(going)
+        return going
+
+    def _emit(self, turns: list[ChatTurn]) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for turn in turns:
+            options = turn.options
+            assert options is not None
             if turn.finish:
                 piece = bytes(turn.reply[turn.sent :])
                 turn.sent = len(turn.reply)
@@ -419,10 +586,7 @@ class ChatEngine:
             if safe > turn.sent and self._may_send(turn):
                 piece = bytes(turn.reply[turn.sent : safe])
                 turn.sent = safe
-            going.append(turn)
             outputs.append(StepOutput(response=self._turn_response(turn, piece) if piece else None))
-        if going:
-            self._decode(going)
         return outputs
 
     def _may_send(self, turn: ChatTurn) -> bool:
@@ -442,12 +606,17 @@ class ChatEngine:
         return True
 
     def on_exit(self, stream: Stream[ChatTurn], reason: ExitReason) -> None:
-        """A turn left the loop: free its conversation on END. One that did not finish was never committed."""
+        """A turn left the loop: free its conversation on END. One that did not finish was never committed.
+
+        Its conversation's idle time counts from here, so an eviction never takes one that just answered.
+        """
         turn = stream.job
         turn.logits = None
         turn.generator = None
         if turn.end:
             self._release(stream.key)
+        else:
+            self.slots.touch(stream.key)
 
     # -- internals --------------------------------------------------------------------------------------
 
@@ -460,10 +629,11 @@ class ChatEngine:
                 self._on_thread()
 
     def _release(self, key: CorrelationId) -> None:
-        slot = self.slots.slot_of(key)
-        if self.slots.release(key) and slot is not None:
-            self._conversations.pop(slot, None)
-            self.cache.reset(slot)
+        self.slots.release(key)
+
+    def _on_release(self, key: CorrelationId, slot: int) -> None:
+        self._conversations.pop(slot, None)
+        self.cache.reset(slot)
 
     def _prefill(self, turn: ChatTurn, conv: Conversation) -> None:
         """Fit the turn into the context, then prefill what the slot's cache lacks; keep the last logits."""
@@ -471,8 +641,10 @@ class ChatEngine:
 
         options = turn.options
         assert options is not None
-        encode = self.tokenizer.encode_message
-        new = [encode(m) for m in turn.messages]
+        if turn.encoded is not None:
+            new = list(turn.encoded)
+        else:
+            new = [self.tokenizer.encode_message(m) for m in turn.messages]
         # The messages this turn may drop, oldest first: the conversation's, then all but the last of its own.
         pinned_spans = conv.spans[: conv.pinned]
         pinned = [conv.ids[a:b] for a, b in pinned_spans]
@@ -513,11 +685,10 @@ class ChatEngine:
         common = _common_prefix(conv.cached, turn.history)
         if common == len(turn.history):
             common -= 1  # the last position's logits are needed again
-        del conv.cached[common:]
         todo = turn.history[common:]
         tokens = torch.tensor([todo], dtype=torch.long)
         logits = gpt2_forward(self.model, self.cache, [slot], tokens, [common])
-        conv.cached += todo
+        conv.cached[common:] = todo
         self.prefilled_tokens += len(todo)
         turn.prompt_tokens = len(todo)
         turn.logits = logits[0]
@@ -538,33 +709,39 @@ class ChatEngine:
             logits = logits.clone()
             logits[rows[:, None], stops[None, :]] = float("-inf")
         chosen = logits.argmax(dim=-1)
-        for row, turn in enumerate(turns):
-            options = turn.options
-            if options is None or options.greedy:
-                continue
-            scores = logits[row] / options.temperature
-            if options.top_k:
-                kth = torch.topk(scores, min(options.top_k, scores.numel())).values[-1]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            if options.top_p < 1.0:
-                ordered, order = torch.sort(probs, descending=True)
-                # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-                outside = (ordered.cumsum(0) - ordered) >= options.top_p
-                probs = probs.scatter(0, order, ordered.masked_fill(outside, 0.0))
-            chosen[row] = torch.multinomial(probs, 1, generator=turn.generator)[0]
+        sampled = [(row, t) for row, t in enumerate(turns) if t.options is not None and not t.options.greedy]
+        for row, turn in sampled:
+            self._sample_row(logits, chosen, row, turn)
         # The one device-to-host copy per pass: the host needs the ids to stream text and check stops.
         return [int(t) for t in chosen.tolist()]
+
+    def _sample_row(self, logits: torch.Tensor, chosen: torch.Tensor, row: int, turn: ChatTurn) -> None:
+        import torch
+
+        options = turn.options
+        assert options is not None
+        scores = logits[row] / options.temperature
+        if options.top_k:
+            kth = torch.topk(scores, min(options.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if options.top_p < 1.0:
+            ordered, order = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            outside = (ordered.cumsum(0) - ordered) >= options.top_p
+            probs = probs.scatter(0, order, ordered.masked_fill(outside, 0.0))
+        chosen[row] = torch.multinomial(probs, 1, generator=turn.generator)[0]
 
     def _decode(self, turns: list[ChatTurn]) -> None:
         import torch
 
         slots = [t.slot for t in turns]
+        conversations = [self._conversations[s] for s in slots]  # before the forward: a missing one changes nothing
         tokens = torch.tensor([[t.reply_ids[-1]] for t in turns], dtype=torch.long)
         logits = gpt2_forward(self.model, self.cache, slots, tokens)
-        for row, turn in enumerate(turns):
+        for row, (turn, conv) in enumerate(zip(turns, conversations, strict=True)):
             turn.logits = logits[row]
-            self._conversations[turn.slot].cached.append(turn.reply_ids[-1])
+            conv.cached.append(turn.reply_ids[-1])
         self.decode_passes += 1
         self.rows_decoded += len(turns)
 
@@ -576,12 +753,16 @@ class ChatEngine:
         text = bytes(turn.reply).decode("utf-8", errors="replace")
         reply = [*self.tokenizer.encode(text), self.tokenizer.end_id]
         start = len(turn.history) - 1  # the <|assistant|> token opens the reply's message
+        conv.undo = _Committed(ids=conv.ids, spans=conv.spans, pinned=conv.pinned, digest=conv.digest)
+        # The messages as received and the reply as the client reads it: the strings the client's chain uses.
+        conv.digest = history_digest(conv.digest, [(m.role, m.text) for m in turn.messages], text)
         conv.ids = turn.history + reply
         conv.spans = [*turn.spans, (start, len(conv.ids))]
         conv.pinned = turn.pinned
         turn.logits = None
 
     def _turn_response(self, turn: ChatTurn, piece: bytes) -> Any:
+        conv = self._conversations.get(turn.slot) if turn.finish else None
         return self._respond(
             self._response(
                 piece,
@@ -590,11 +771,12 @@ class ChatEngine:
                 turn.prompt_tokens,
                 self.cache.lengths[turn.slot],
                 turn.dropped,
+                digest=EMPTY if conv is None else conv.digest,
             )
         )
 
     def _response(
-        self, piece: bytes, finish: Finish, tokens: int, prompt: int, context: int, dropped: int
+        self, piece: bytes, finish: Finish, tokens: int, prompt: int, context: int, dropped: int, *, digest: str = EMPTY
     ) -> ChatResponse:
         return ChatResponse(
             piece=piece,
@@ -606,11 +788,17 @@ class ChatEngine:
             # Summed over every live conversation: worth it only where it is read, on a turn's last response.
             live=self.live if finish else 0,
             kv_bytes=self.kv_bytes if finish else 0,
+            digest=digest,
         )
 
 
 class _TurnRefused(ValueError):
     pass
+
+
+def _size(value: bytes | str) -> int:
+    """UTF-8 bytes of an input entry, read without decoding it (a str, from tests, is measured encoded)."""
+    return len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(value)
 
 
 def _text(value: bytes | str, name: str) -> str:

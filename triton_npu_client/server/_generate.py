@@ -7,10 +7,20 @@ them), then calls ``step`` once for every stream that is due, so each pass sends
 per stream: the shape continuous batching takes (``admit`` = prefill, ``step`` = one decode step for
 the whole batch, ``on_exit`` = free what the stream held).
 
-Why a stream is serialised per sequence: Triton 2.51 releases a request when ``execute`` returns, so
-the sequence batcher may deliver the next step of a sequence while the previous one still streams
-here. :meth:`StepLoop.submit` refuses such a step (a :class:`Refusal` with reason ``"busy"``) instead
-of interleaving two steps over one sequence's state.
+One stream per sequence, always: Triton 2.51 releases a request when ``execute`` returns, so the
+sequence batcher may deliver the next step of a sequence while the previous one still streams here.
+Two streams of one sequence must never share a pass. With ``overlap="supersede"`` (what a chat wants: a
+client that cancels a turn and sends the next, or closes, at once) the new step is always accepted and
+the loop *retires* the old stream, on its own thread, before it admits the new one: the old one ends as
+cancelled (``on_exit`` reason ``"cancelled"``) with an error saying it was superseded. With
+``overlap="refuse"`` a step of a sequence whose stream is still running (and not cancelled) is refused
+with a :class:`Refusal` ``"busy"``; one whose stream was cancelled is accepted and the old stream retired
+the same way. Either way the rule never depends on which streams' cancellation a pass happens to ask.
+
+A failure belongs to the stream that caused it: when a batched ``step`` or ``admit`` raises, the loop
+calls it again on halves of the batch until it finds the streams that fail alone, and fails only those.
+So both callbacks must be safe to call again on the same streams after they raised (mutate nothing
+before a raise, or only idempotently).
 
 Pure Python: the senders are duck-typed (``send(response=None, flags=0)``, ``is_cancelled()``) and the
 pb-specific pieces (the FINAL flag, how an error response is built) are passed in, so the loop runs
@@ -41,6 +51,7 @@ DEFAULT_BUSY_GRACE_S = 0.5
 _BUSY_POLL_S = 0.02
 
 ExitReason = Literal["done", "cancelled", "failed", "shutdown"]
+Overlap = Literal["supersede", "refuse"]
 
 #: How long the loop may go without checking cancellations while streams wait for their next step.
 DEFAULT_CANCEL_POLL_S = 0.05
@@ -93,9 +104,12 @@ class StepLoop(Generic[J]):
     (optional) is called once per pass for the streams that arrived, before their first step, with the
     streams already running; it returns, per new stream, None to admit it or a response that refuses it
     (sent with the FINAL flag). ``on_exit(stream, reason)`` (optional) runs when an admitted stream
-    leaves, before its FINAL flag is sent. ``error_response(message)`` builds the error response sent
-    when a callback raises or the loop shuts down. ``final_flag`` is
-    ``pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL``.
+    leaves, before its FINAL flag is sent, and for a stream whose ``admit`` raised (it may hold what
+    admit gave it). ``error_response(message)`` builds the error response sent when a callback raises,
+    a stream is superseded or the loop shuts down. ``final_flag`` is
+    ``pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL``. ``overlap``: what a step of a sequence whose
+    stream is still in the loop does (see the module docstring); ``superseded_message(key)`` (optional)
+    is the error text a retired stream gets.
 
     Every callback runs on the loop's thread, one at a time: model state they share needs no lock.
     ``start=False`` runs no thread: the caller drives :meth:`run_pass` (tests, with an injected clock).
@@ -113,6 +127,8 @@ class StepLoop(Generic[J]):
         cancel_check_every: int = DEFAULT_CANCEL_CHECK_EVERY,
         background_sends: bool = True,
         busy_grace_s: float = DEFAULT_BUSY_GRACE_S,
+        overlap: Overlap = "refuse",
+        superseded_message: Callable[[CorrelationId], str] | None = None,
         clock: Clock = time.monotonic,
         name: str = "step-loop",
         start: bool = True,
@@ -129,17 +145,24 @@ class StepLoop(Generic[J]):
             raise ValueError(f"cancel_check_every must be >= 1, got {cancel_check_every}")
         self._cancel_check_every = cancel_check_every
         self._passes = 0
+        if overlap not in ("supersede", "refuse"):
+            raise ValueError(f"overlap must be 'supersede' or 'refuse', got {overlap!r}")
         self._busy_grace_s = busy_grace_s
+        self._overlap = overlap
+        self._superseded_message = superseded_message or _superseded
         self._clock = clock
         self._cond = threading.Condition()
         # Guarded by _cond: what execute threads and the loop thread share.
         self._pending: list[Stream[J]] = []
-        # The stream each sequence is running (or queued) with: one at a time per sequence.
+        # The newest stream of each sequence (running or queued); an older one still in the loop is in _retire.
         self._busy: dict[CorrelationId, Stream[J]] = {}
+        # Streams replaced by a newer stream of their sequence: the loop ends them before it admits anything.
+        self._retire: list[Stream[J]] = []
         self._closing = False
         # Loop thread only.
         self._running: list[Stream[J]] = []
         self._cancelled = 0
+        self._superseded = 0
         self._thread: threading.Thread | None = None
         self._outbox: _Outbox | None = None
         if start:
@@ -167,36 +190,45 @@ class StepLoop(Generic[J]):
         """Streams stopped because their request was cancelled (or could not say), since the loop started."""
         return self._cancelled
 
+    @property
+    def superseded(self) -> int:
+        """Streams retired because a newer step of their sequence arrived, since the loop started."""
+        return self._superseded
+
     def submit(self, key: CorrelationId, sender: Any, job: J) -> Refusal | None:
         """Queue a stream for sequence ``key``; a :class:`Refusal` (nothing queued) when it cannot run.
 
-        ``"busy"``: a step of ``key`` is still streaming (steps of one sequence must not overlap);
-        ``"closed"``: the loop is shutting down. The caller answers a refusal itself.
+        ``"closed"``: the loop is shutting down. ``"busy"`` (``overlap="refuse"`` only): a step of ``key``
+        is still streaming. The caller answers a refusal itself. With ``overlap="supersede"`` this never
+        waits; with ``"refuse"`` it waits up to ``busy_grace_s`` for the previous step to end or be cancelled.
         """
         with self._cond:
             if self._closing:
                 return Refusal(reason="closed", message="the model is shutting down; no new steps are accepted")
-            # A client that cancels a step and sends the next one at once must not be told "busy": the server may
-            # see the new request a moment before it sees the cancellation, or before the loop reaps the stream.
-            # So a step of a busy sequence waits up to busy_grace_s for the previous one to end or be cancelled.
-            # The loop drops a cancelled stream (running its on_exit) before it admits the next, so the two never
-            # overlap; only a step still streaming after the grace is refused.
-            # Real time, not the injected clock: this bounds how long an execute thread blocks here.
-            deadline = time.monotonic() + self._busy_grace_s
-            while (current := self._busy.get(key)) is not None and not self._is_cancelled(current):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closing:
-                    break
-                self._cond.wait(min(left, _BUSY_POLL_S))
-            if self._closing:
-                return Refusal(reason="closed", message="the model is shutting down; no new steps are accepted")
-            if current is not None and not self._is_cancelled(current):
-                return Refusal(
-                    reason="busy",
-                    message=f"{SEQUENCE_BUSY} sequence {key!r} is busy: its previous step is still streaming; "
-                    "steps of a sequence must not overlap (wait for the final response, or for a cancelled step "
-                    "to stop)",
-                )
+            current = self._busy.get(key)
+            if current is not None and self._overlap == "refuse":
+                # A client that cancels a step and sends the next one at once must not be told "busy": the server
+                # may see the new request a moment before it sees the cancellation. Real time, not the injected
+                # clock: this bounds how long an execute thread blocks here.
+                deadline = time.monotonic() + self._busy_grace_s
+                while (current := self._busy.get(key)) is not None and not self._is_cancelled(current):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._closing:
+                        break
+                    self._cond.wait(min(left, _BUSY_POLL_S))
+                if self._closing:
+                    return Refusal(reason="closed", message="the model is shutting down; no new steps are accepted")
+                if current is not None and not self._is_cancelled(current):
+                    return Refusal(
+                        reason="busy",
+                        message=f"{SEQUENCE_BUSY} sequence {key!r} is busy: its previous step is still streaming; "
+                        "steps of a sequence must not overlap (wait for the final response, or for a cancelled "
+                        "step to stop)",
+                    )
+            if current is not None:
+                # Still in the loop (cancelled or not): the loop retires it before it admits the new one, whatever
+                # share of the streams its cancellation check reaches this pass.
+                self._retire.append(current)
             stream = Stream(key=key, sender=sender, job=job, not_before=self._clock())
             self._busy[key] = stream
             self._pending.append(stream)
@@ -228,6 +260,9 @@ class StepLoop(Generic[J]):
             self._outbox.wait_below(len(self._running) + 1)
         with self._cond:
             new, self._pending = self._pending, []
+            retire, self._retire = self._retire, []
+        if retire:
+            new = self._retire_streams(retire, new)
         running = self._drop_cancelled(self._running, admitted=True)
         arrived = self._drop_cancelled(new, admitted=False)
         self._running = running
@@ -241,6 +276,26 @@ class StepLoop(Generic[J]):
             return None
         wait = min(s.not_before for s in self._running) - self._clock()
         return min(max(wait, 0.0), self._cancel_poll_s)
+
+    def _retire_streams(self, retire: list[Stream[J]], new: list[Stream[J]]) -> list[Stream[J]]:
+        """End the streams a newer step of their sequence replaced, before anything is admitted; return ``new``
+        without them.
+
+        Each is in ``new`` (queued, never admitted), in the running list, or already finished (it ended on
+        its own before the loop saw the replacement).
+        """
+        gone = {id(s) for s in retire}
+        queued = [s for s in new if id(s) in gone]
+        if queued:
+            new = [s for s in new if id(s) not in gone]
+        admitted = [s for s in self._running if id(s) in gone]
+        if admitted:
+            self._running = [s for s in self._running if id(s) not in gone]
+        for stream, was_admitted in [*((s, False) for s in queued), *((s, True) for s in admitted)]:
+            self._superseded += 1
+            error = self._error(self._superseded_message(stream.key))
+            self._finish(stream, error, "cancelled", admitted=was_admitted)
+        return new
 
     def _drop_cancelled(self, streams: list[Stream[J]], *, admitted: bool) -> list[Stream[J]]:
         """Drop the streams whose request was cancelled (or whose sending failed).
@@ -273,37 +328,60 @@ class StepLoop(Generic[J]):
     def _admitted(self, arrived: list[Stream[J]], running: list[Stream[J]]) -> list[Stream[J]]:
         if self._admit is None:
             return arrived
-        try:
-            verdicts = list(self._admit(arrived, running))
-            if len(verdicts) != len(arrived):
-                raise RuntimeError(f"admit returned {len(verdicts)} verdicts for {len(arrived)} streams")
-        except Exception as err:
-            _log.exception("admit failed for %d stream(s)", len(arrived))
-            for stream in arrived:
-                self._finish(stream, self._error(f"admitting the request failed: {err}"), "failed", admitted=False)
-            return []
         admitted = []
-        for stream, verdict in zip(arrived, verdicts, strict=True):
+        for stream, verdict in self._admit_isolated(arrived, running):
             if verdict is None:
                 admitted.append(stream)
+            elif isinstance(verdict, _Failed):
+                # admit may have given it something (a slot) before it raised: on_exit frees it.
+                self._finish(stream, self._error(f"admitting the request failed: {verdict.error}"), "failed")
             else:
                 self._finish(stream, verdict, "failed", admitted=False)
         return admitted
 
-    def _advance(self, due: list[Stream[J]], now: float) -> None:
+    def _admit_isolated(self, arrived: list[Stream[J]], running: list[Stream[J]]) -> list[tuple[Stream[J], Any]]:
+        """``admit`` for ``arrived``; when it raises, again on each half, down to the streams that fail alone."""
+        assert self._admit is not None
+        try:
+            verdicts = list(self._admit(arrived, running))
+        except Exception as err:
+            if len(arrived) == 1:
+                _log.exception("admit failed for sequence %r", arrived[0].key)
+                return [(arrived[0], _Failed(err))]
+            _log.warning("admit failed for %d streams (%s): trying them apart", len(arrived), err)
+            mid = len(arrived) // 2
+            return self._admit_isolated(arrived[:mid], running) + self._admit_isolated(arrived[mid:], running)
+        if len(verdicts) != len(arrived):
+            # A bug of the callback, not of a stream: trying fewer streams would not find a culprit.
+            bug = RuntimeError(f"admit returned {len(verdicts)} verdicts for {len(arrived)} streams")
+            _log.error("%s", bug)
+            return [(s, _Failed(bug)) for s in arrived]
+        return list(zip(arrived, verdicts, strict=True))
+
+    def _step_isolated(self, due: list[Stream[J]]) -> list[tuple[Stream[J], StepOutput | _Failed]]:
+        """``step`` for ``due``; when it raises, again on each half, down to the streams that fail alone."""
         try:
             outputs = list(self._step(due))
-            if len(outputs) != len(due):
-                raise RuntimeError(f"step returned {len(outputs)} outputs for {len(due)} streams")
         except Exception as err:
-            _log.exception("step failed for %d stream(s)", len(due))
-            failed = set(map(id, due))
-            self._running = [s for s in self._running if id(s) not in failed]
-            for stream in due:
-                self._finish(stream, self._error(f"computing the next response failed: {err}"), "failed")
-            return
+            if len(due) == 1:
+                _log.exception("step failed for sequence %r", due[0].key)
+                return [(due[0], _Failed(err))]
+            _log.warning("step failed for %d streams (%s): trying them apart", len(due), err)
+            mid = len(due) // 2
+            return self._step_isolated(due[:mid]) + self._step_isolated(due[mid:])
+        if len(outputs) != len(due):
+            bug = RuntimeError(f"step returned {len(outputs)} outputs for {len(due)} streams")
+            _log.error("%s", bug)
+            return [(s, _Failed(bug)) for s in due]
+        return list(zip(due, outputs, strict=True))
+
+    def _advance(self, due: list[Stream[J]], now: float) -> None:
         ended: set[int] = set()
-        for stream, out in zip(due, outputs, strict=True):
+        for stream, out in self._step_isolated(due):
+            if isinstance(out, _Failed):
+                ended.add(id(stream))
+                self._finish(stream, self._error(f"computing the next response failed: {out.error}"), "failed")
+                continue
             stream.steps += 1
             if out.done:
                 ended.add(id(stream))
@@ -360,6 +438,7 @@ class StepLoop(Generic[J]):
         with self._cond:
             self._closing = True
             new, self._pending = self._pending, []
+            self._retire = []  # each is in new or running, or already finished
         running, self._running = self._running, []
         for stream in running:
             self._finish(stream, self._error("the model is shutting down"), "shutdown")
@@ -381,6 +460,20 @@ class StepLoop(Generic[J]):
                 _log.exception("step loop pass failed")
                 wait = self._cancel_poll_s
         self._shutdown()
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """A callback raised for this stream alone."""
+
+    error: Exception
+
+
+def _superseded(key: CorrelationId) -> str:
+    return (
+        f"{SEQUENCE_BUSY} this step of sequence {key!r} was superseded by a newer request of the same sequence "
+        "(a next step, or its END) and stopped; it was rolled back"
+    )
 
 
 def _send_final(stream: Stream[Any], response: Any, flags: int, reason: str) -> None:

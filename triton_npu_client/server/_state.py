@@ -1,8 +1,10 @@
 """Per-sequence state: which slot each live sequence holds, and the state tensors on the device.
 
 Triton tells a model about START and END but never about an idle timeout (the sequence batcher frees
-its own slot silently), so :class:`SequenceSlots` also sweeps sequences by age. The clock is injected:
-tests drive it without sleeping.
+its own slot silently), so :class:`SequenceSlots` also sweeps sequences by age, and may evict the
+longest-idle sequence to make room for a new one. It is the one owner of "which sequence holds which
+slot": every release (END, sweep, eviction, a restart by START) goes through :meth:`SequenceSlots.release`,
+which tells the model through ``on_release``. The clock is injected: tests drive it without sleeping.
 
 Two interchangeable state classes: :class:`RunningMoments` (torch tensors on any device) and
 :class:`NumpyMoments` (host numpy arrays, for CPU instances: no torch import at all).
@@ -71,6 +73,13 @@ class SequenceSlots:
     ``idle_timeout_s`` is the model's ``max_sequence_idle_microseconds``; a sequence is swept once it
     has been idle for ``idle_timeout_s + grace_s``. The grace keeps us from freeing a sequence whose
     next step Triton accepted just inside its own timeout but has not yet handed to us.
+
+    ``evict_min_idle_s`` (None: never): at the cap, a START takes the slot of the sequence idle longest,
+    if it has been idle at least that long and is not in the same plan (a running step is passed to
+    :meth:`plan` too, so a generating sequence is never evicted). Its next step is refused as unknown.
+
+    ``on_release(key, slot)`` runs for every slot freed, whatever freed it, before the slot can be
+    given again: the one place a model drops what it keeps per sequence.
     """
 
     def __init__(
@@ -81,12 +90,19 @@ class SequenceSlots:
         grace_s: float = 0.5,
         clock: Clock = time.monotonic,
         capacity_note: str = "parameter max_sequences",
+        evict_min_idle_s: float | None = None,
+        on_release: Callable[[CorrelationId, int], None] | None = None,
     ):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if evict_min_idle_s is not None and not evict_min_idle_s >= 0:
+            raise ValueError(f"evict_min_idle_s must be >= 0 or None, got {evict_min_idle_s}")
         self.capacity = capacity
         self.idle_timeout_s = idle_timeout_s
         self.grace_s = grace_s
+        self.evict_min_idle_s = evict_min_idle_s
+        self.on_release = on_release
+        self.evicted = 0  # sequences evicted since creation, for logs and tests
         self._clock = clock
         # What sets the cap, for the refusal message (a count parameter, or a memory budget).
         self.capacity_note = capacity_note
@@ -96,6 +112,9 @@ class SequenceSlots:
         self._last_seen: OrderedDict[CorrelationId, float] = OrderedDict()
         # Lowest slots first: keeps the live region of the state tensors dense.
         self._free = list(range(capacity - 1, -1, -1))
+        # Why recently freed sequences went (swept, evicted), oldest first and bounded: so that a late step
+        # of one is told what happened to it, not only that it is unknown.
+        self._gone: OrderedDict[CorrelationId, str] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"SequenceSlots(live={self.live}, capacity={self.capacity}, idle_timeout_s={self.idle_timeout_s})"
@@ -115,6 +134,12 @@ class SequenceSlots:
         """Every live sequence and its slot (a copy)."""
         return dict(self._slot)
 
+    def touch(self, key: CorrelationId) -> None:
+        """Mark ``key`` as seen now (a step of it ended): its idle time counts from here."""
+        if key in self._last_seen:
+            self._last_seen[key] = self._clock()
+            self._last_seen.move_to_end(key)
+
     def sweep(self, *, keep: Iterable[CorrelationId] = ()) -> list[CorrelationId]:
         """Free every sequence idle longer than the timeout plus grace (except ``keep``); return them."""
         deadline = self._clock() - (self.idle_timeout_s + self.grace_s)
@@ -127,17 +152,45 @@ class SequenceSlots:
             if key not in kept:
                 stale.append(key)
         for key in stale:
-            self.release(key)
+            self.release(key, why=f"was idle longer than {self.idle_timeout_s:g} s")
         return stale
 
-    def release(self, key: CorrelationId) -> bool:
-        """Free ``key``'s slot (END, or swept); False when it held none."""
+    def release(self, key: CorrelationId, *, why: str | None = None) -> bool:
+        """Free ``key``'s slot (END, swept, evicted, restarted) and tell ``on_release``; False when it held none.
+
+        ``why`` (swept or evicted) is remembered for the refusal of the sequence's next step.
+        """
         slot = self._slot.pop(key, None)
         if slot is None:
             return False
         del self._last_seen[key]
+        if why is not None:
+            self._gone[key] = why
+            while len(self._gone) > 4 * self.capacity + 64:
+                self._gone.popitem(last=False)
+        if self.on_release is not None:
+            # Before the slot can be handed out again: the model's per-slot state must be gone by then.
+            self.on_release(key, slot)
         self._free.append(slot)
         return True
+
+    def _evict(self, now: float, protected: set[CorrelationId]) -> bool:
+        """Free the slot of the longest-idle sequence idle at least ``evict_min_idle_s`` (not protected)."""
+        if self.evict_min_idle_s is None:
+            return False
+        deadline = now - self.evict_min_idle_s
+        for key, seen in self._last_seen.items():
+            if seen > deadline:
+                return False  # oldest first: nobody after it has idled long enough either
+            if key not in protected:
+                self.evicted += 1
+                self.release(
+                    key,
+                    why=f"was evicted after {now - seen:.3g} s idle to make room for a new sequence (cap of "
+                    f"{self.capacity} live sequences)",
+                )
+                return True
+        return False
 
     def plan(self, controls: Sequence[SequenceControls], *, has_data: Sequence[bool] | None = None) -> BatchPlan:
         """Sweep, then give each request of one execute its slot: admit STARTs, look up the others.
@@ -151,7 +204,8 @@ class SequenceSlots:
         sequence in the same batch); they never stop the other requests.
         """
         now = self._clock()
-        self.sweep(keep=(c.correlation_id for c in controls if c.ready))
+        protected = {c.correlation_id for c in controls if c.ready}
+        self.sweep(keep=protected)
         rows: list[int] = []
         slots: list[int] = []
         fresh: list[bool] = []
@@ -189,7 +243,14 @@ class SequenceSlots:
                     ending.append(key)
                 continue
             if ctl.start:
+                if slot is not None:
+                    # A START for a live id restarts it (Triton ended the old one early): released, so the model
+                    # drops the old state, then taken again (the same slot: the free list is last in, first out).
+                    self.release(key)
+                    slot = None
                 if slot is None:
+                    if not self._free:
+                        self._evict(now, protected)
                     if not self._free:
                         errors[row] = Refusal(
                             reason="capacity",
@@ -200,7 +261,7 @@ class SequenceSlots:
                         continue
                     slot = self._free.pop()
                     self._slot[key] = slot
-                # A START for a live id restarts it (Triton ends the old one early): the slot is reset.
+                    self._gone.pop(key, None)
             elif slot is None:
                 errors[row] = self._unknown(key)
                 continue
@@ -222,10 +283,14 @@ class SequenceSlots:
         )
 
     def _unknown(self, key: CorrelationId) -> Refusal:
+        why = self._gone.get(key)
+        if why is None:
+            evicting = "" if self.evict_min_idle_s is None else ", was evicted to make room for another"
+            why = f"never started, ended{evicting}, or was idle longer than {self.idle_timeout_s:g} s"
         return Refusal(
             reason="unknown",
-            message=f"{SEQUENCE_UNKNOWN} sequence {key!r} is unknown to this model instance: it never started, "
-            f"ended, or was idle longer than {self.idle_timeout_s:g} s; send the START flag to begin a new one",
+            message=f"{SEQUENCE_UNKNOWN} sequence {key!r} is unknown to this model instance: it {why}; send the "
+            "START flag to begin a new one",
         )
 
     def finish(self, plan: BatchPlan) -> None:
