@@ -28,7 +28,7 @@ def command(server: LocalTriton, source: Path, output: Path) -> list[str]:
     return [
         sys.executable, "-m", "triton_npu_client", "score", "--url", server.grpc_url, "--model", "score_probe",
         "--input", str(source), "--output", str(output), "--concurrency", "4", "--batch-size", "8",
-        "--commit-every", "0.05", "--no-progress",
+        "--commit-every", "0.05", "--no-progress", "--max-failed", "100%",  # the bad rows are on purpose
     ]
 
 
@@ -97,7 +97,7 @@ def test_cli_without_url_starts_its_own_server_and_writes_npy(tmp_path: Path) ->
     output = tmp_path / "y.npy"
     done = subprocess.run(
         [sys.executable, "-m", "triton_npu_client", "score", "--model", "score_probe", "--input", str(source),
-         "--output", str(output), "--batch-size", "4"],
+         "--output", str(output), "--batch-size", "4", "--max-failed", "1"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -110,12 +110,14 @@ def test_cli_without_url_starts_its_own_server_and_writes_npy(tmp_path: Path) ->
     assert [e["row"] for e in errors] == [30]
 
 
-def test_cli_unknown_model_is_one_line_exit_2(tmp_path: Path) -> None:
+def test_cli_unknown_model_is_one_line_exit_18(tmp_path: Path) -> None:
+    (tmp_path / "x.jsonl").write_text('{"X": [1.0, 0.0]}\n')
     done = subprocess.run(
         [sys.executable, "-m", "triton_npu_client", "score", "--model", "no_such_model", "--input",
          str(tmp_path / "x.jsonl"), "--output", str(tmp_path / "y.jsonl")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert done.returncode == 2
+    assert done.returncode == 18
+    assert len(done.stderr.splitlines()) == 1
     assert "no_such_model" in done.stderr
     assert "Traceback" not in done.stderr

@@ -1,19 +1,43 @@
 """Jobs above the client: scoring many rows through a model, in order, bounded, resumable.
 
 ``_ordered`` (the bounded, ordered call window) and ``_checkpoint`` (the crash-safe output) are the parts;
-``_formats`` reads and writes the files; ``_score`` is the job.
+``_formats`` reads and writes the files; ``_safety`` and ``_plan`` check a job's paths and checkpoint before anything
+is opened; ``_score`` is the job.
 """
 
 from ._checkpoint import CheckpointMismatch, ResumableOutput
+from ._formats import MAX_LINE_BYTES
 from ._ordered import ordered_map
+from ._plan import JobPlan, plan_job
+from ._safety import (
+    CheckpointFilesMismatch,
+    InputFileError,
+    InputFileNotFound,
+    JobPathError,
+    OutputExistsError,
+    ResumeNotConfirmed,
+    SameFileError,
+    UnknownFormatError,
+)
 from ._score import ScoredRow, ScoreSummary, score, score_rows, score_sync
 
 __all__ = [
+    "MAX_LINE_BYTES",
+    "CheckpointFilesMismatch",
     "CheckpointMismatch",
+    "InputFileError",
+    "InputFileNotFound",
+    "JobPathError",
+    "JobPlan",
+    "OutputExistsError",
     "ResumableOutput",
+    "ResumeNotConfirmed",
+    "SameFileError",
     "ScoreSummary",
     "ScoredRow",
+    "UnknownFormatError",
     "ordered_map",
+    "plan_job",
     "score",
     "score_rows",
     "score_sync",

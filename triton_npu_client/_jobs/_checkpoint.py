@@ -7,6 +7,12 @@ fsync) is undone on the next :meth:`ResumableOutput.open`: the files are cut bac
 resumes at the recorded row. So the output never holds a row twice or loses one, provided the job feeds rows in
 the same order each run (the fingerprint, e.g. of the input file and the options, guards against resuming a
 different job onto the same files).
+
+The files are never grown to fit the checkpoint: an output that is missing or shorter than the bytes a checkpoint
+committed is a :class:`CheckpointFilesMismatch` (restore the file, or delete the checkpoint to start over), never a
+file padded with NUL bytes. A fresh job writes its checkpoint (0 rows) before it creates its files, so every file it
+made is vouched for by a checkpoint, even after a crash before the first commit. Paths are opened without following
+a symlink (``O_NOFOLLOW``).
 """
 
 from __future__ import annotations
@@ -20,11 +26,9 @@ from typing import IO, Any, Self
 
 import attrs
 
-__all__ = ["CheckpointMismatch", "ResumableOutput", "SavedCheckpoint"]
+from ._safety import CheckpointFilesMismatch, CheckpointMismatch, read_checkpoint_state
 
-
-class CheckpointMismatch(RuntimeError):
-    """The checkpoint beside the output belongs to another job (its fingerprint differs)."""
+__all__ = ["CheckpointFilesMismatch", "CheckpointMismatch", "ResumableOutput", "SavedCheckpoint"]
 
 
 @attrs.frozen
@@ -34,6 +38,8 @@ class SavedCheckpoint:
     rows: int
     complete: bool
     meta: Mapping[str, Any]
+    out_bytes: int = 0
+    err_bytes: int = 0
 
 
 class ResumableOutput:
@@ -86,7 +92,28 @@ class ResumableOutput:
             rows=int(state["rows"]),
             complete=bool(state.get("complete")),
             meta=dict(meta) if isinstance(meta, dict) else {},
+            out_bytes=int(state.get("out_bytes", 0)),
+            err_bytes=int(state.get("err_bytes", 0)),
         )
+
+    def verify(self, saved: SavedCheckpoint) -> None:
+        """Raise :class:`CheckpointFilesMismatch` when a file the checkpoint describes is missing or shorter than the
+        bytes it committed. Longer is normal: an uncommitted tail, cut back by ``open()``."""
+        for path, committed in ((self.path, saved.out_bytes), (self.errors_path, saved.err_bytes)):
+            if path is None or committed <= 0:
+                continue
+            try:
+                size = os.lstat(path).st_size
+            except FileNotFoundError:
+                problem = "is missing"
+            else:
+                if size >= committed:
+                    continue
+                problem = f"has only {size:,} bytes"
+            raise CheckpointFilesMismatch(
+                f"{self.checkpoint_path} records {saved.rows:,} rows done in the first {committed:,} bytes of {path}, "
+                f"but {path} {problem}: restore {path.name}, or delete {self.checkpoint_path.name} to start over"
+            )
 
     def open(self) -> int:
         """Cut the files back to the last commit and return the rows it covers (0: a fresh start)."""
@@ -95,14 +122,19 @@ class ResumableOutput:
             out_size = err_size = 0
             self.rows_done = 0
             self.meta = {}
+            # Before any file is made: from now on a checkpoint vouches for the files this job creates.
+            self._write_state({"fingerprint": self.fingerprint, "rows": 0, "out_bytes": 0, "err_bytes": 0,
+                               "complete": False, "meta": {}})
         else:
-            out_size, err_size, self.rows_done = int(state["out_bytes"]), int(state["err_bytes"]), int(state["rows"])
-            meta = state.get("meta")
-            self.meta = dict(meta) if isinstance(meta, dict) else {}
+            saved = self.saved()
+            assert saved is not None
+            self.verify(saved)
+            out_size, err_size, self.rows_done = saved.out_bytes, saved.err_bytes, saved.rows
+            self.meta = dict(saved.meta)
         if self.path is not None:
-            self._out = _open_at(self.path, out_size)
+            self._out = _open_at(self.path, out_size, self.checkpoint_path)
         if self.errors_path is not None:
-            self._err = _open_at(self.errors_path, err_size)
+            self._err = _open_at(self.errors_path, err_size, self.checkpoint_path)
         self._opened = True
         return self.rows_done
 
@@ -112,8 +144,9 @@ class ResumableOutput:
             files = " and ".join(str(p) for p in (self.path, self.errors_path) if p is not None)
             raise CheckpointMismatch(
                 f"{self.checkpoint_path} belongs to another job (fingerprint {state.get('fingerprint')!r}, this "
-                f"job's is {self.fingerprint!r}): remove it{' and ' + files if files else ''} to start over, or "
-                "use other paths"
+                f"job's is {self.fingerprint!r}: the input or the options changed): remove it"
+                f"{' and ' + files if files else ''} or pass overwrite=True (--overwrite) to start over, or use other "
+                "paths"
             )
         return state
 
@@ -155,16 +188,22 @@ class ResumableOutput:
             "complete": complete,
             "meta": saved_meta,
         }
+        self._write_state(state)
+        self.rows_done = rows_done
+        self.meta = saved_meta
+        self._dirty = False
+
+    def _write_state(self, state: Mapping[str, Any]) -> None:
         tmp = self.checkpoint_path.with_name(self.checkpoint_path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        # A fresh name, never opened through a link: whatever sits at the tmp path (a leftover, a symlink) goes.
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        with open(fd, "wb") as f:
             f.write(json.dumps(state).encode())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.checkpoint_path)
         _fsync_dir(self.checkpoint_path.parent)
-        self.rows_done = rows_done
-        self.meta = saved_meta
-        self._dirty = False
 
     def close(self) -> None:
         """Mark the job complete and close the files. Everything written must be committed first."""
@@ -192,14 +231,8 @@ class ResumableOutput:
         return bool(state and state.get("complete"))
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
-        try:
-            raw = self.checkpoint_path.read_bytes()
-        except FileNotFoundError:
-            return None
-        state = json.loads(raw)
-        if not isinstance(state, dict):
-            raise CheckpointMismatch(f"{self.checkpoint_path} is not a checkpoint")
-        return state
+        # A file that is not a checkpoint raises OutputExistsError: the job did not write it.
+        return read_checkpoint_state(self.checkpoint_path)
 
     def __enter__(self) -> Self:
         self.open()
@@ -216,11 +249,32 @@ class ResumableOutput:
             self.abandon()
 
 
-def _open_at(path: Path, size: int) -> IO[bytes]:
-    """Open ``path`` for appending after cutting it to ``size`` bytes (creating it when absent)."""
-    handle = open(path, "ab")  # noqa: SIM115  # the caller owns and closes it
-    handle.truncate(size)
-    handle.seek(size)
+def _open_at(path: Path, size: int, checkpoint: Path) -> IO[bytes]:
+    """Open ``path`` for appending after cutting it to ``size`` bytes (creating it only when ``size`` is 0).
+
+    Never grows a file (truncate() past the end pads with NUL bytes) and never follows a symlink.
+    """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if size == 0 else 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except FileNotFoundError:
+        raise CheckpointFilesMismatch(
+            f"{checkpoint} records {size:,} committed bytes of {path}, but {path} is missing: restore it, or delete "
+            f"{checkpoint.name} to start over"
+        ) from None
+    handle = open(fd, "ab")  # noqa: SIM115  # the caller owns and closes it
+    try:
+        have = os.fstat(fd).st_size
+        if have < size:
+            raise CheckpointFilesMismatch(
+                f"{checkpoint} records {size:,} committed bytes of {path}, but it has only {have:,}: restore it, or "
+                f"delete {checkpoint.name} to start over"
+            )
+        handle.truncate(size)
+        handle.seek(size)
+    except BaseException:
+        handle.close()
+        raise
     return handle
 
 

@@ -3,7 +3,10 @@
 Readers (:func:`read_rows`) yield one row per input sample, in file order, from ``start`` on, holding a bounded
 slice of the file in memory whatever its size. A row is a mapping from model input name to a value without the
 batch dim; a row the reader cannot parse comes as :class:`BadRow` in its place, so indices stay aligned with the
-file. Formats: JSONL (an object per line, or a bare value for a single-input model), CSV (a header row of input
+file. A line longer than ``max_line_bytes`` (JSONL, CSV, ``.txt``; default :data:`MAX_LINE_BYTES`, 8 MiB) is a
+:class:`BadRow` too: it is skipped in bounded reads up to its newline, never held in memory whole.
+
+Formats: JSONL (an object per line, or a bare value for a single-input model), CSV (a header row of input
 names), ``.npy`` (a row per leading index), ``.txt`` (a row per line) and Parquet (with pyarrow).
 
 Writers (:func:`open_writer`) append results as rows finish and commit now and then through
@@ -36,16 +39,21 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from ._checkpoint import CheckpointMismatch, ResumableOutput
+from ._checkpoint import ResumableOutput, SavedCheckpoint
+from ._safety import CheckpointFilesMismatch, UnknownFormatError
 
 __all__ = [
+    "MAX_LINE_BYTES",
     "PARQUET_HINT",
     "BadRow",
     "OutputShapeError",
     "ResultWriter",
     "Row",
     "RowSource",
+    "input_fingerprint",
+    "input_format",
     "open_writer",
+    "output_format",
     "read_rows",
 ]
 
@@ -63,6 +71,9 @@ _BLOCK_BYTES = 8 << 20
 _MAX_BATCH_ROWS = 65536
 # An errors-file line keeps the input row only when it is this small once in JSON.
 _MAX_INPUT_JSON = 2000
+# A longer line (JSONL, CSV, .txt) is an error row, skipped without being held: one line never costs more memory.
+MAX_LINE_BYTES = 8 << 20
+_SKIP_BYTES = 1 << 20
 
 _READ_FORMATS = {"jsonl": "jsonl", "ndjson": "jsonl", "csv": "csv", "npy": "npy", "txt": "txt", "text": "txt",
                  "parquet": "parquet", "pq": "parquet"}
@@ -86,13 +97,54 @@ def _format_of(path: Path, given: str | None, known: Mapping[str, str], what: st
         try:
             return known[given.lower().lstrip(".")]
         except KeyError:
-            raise ValueError(f"unknown {what} format {given!r}: use one of {choices}") from None
+            raise UnknownFormatError(
+                f"unknown {what} format {given!r}: use one of {choices}", path=path, role=what
+            ) from None
     try:
         return known[path.suffix.lower().lstrip(".")]
     except KeyError:
-        raise ValueError(
-            f"cannot tell the {what} format of {path} from its suffix: pass format= one of {choices}"
+        raise UnknownFormatError(
+            f"cannot tell the {what} format of {path} from its suffix {path.suffix or '(none)'!r}: pass format= "
+            f"one of {choices} (--{what}-format on the command line)",
+            path=path, role=what,
         ) from None
+
+
+def input_format(path: PathLike, format: str | None = None) -> str:  # the contract's name
+    """The input format :func:`read_rows` would use for ``path`` (or raise :class:`UnknownFormatError`)."""
+    return _format_of(Path(path), format, _READ_FORMATS, "input")
+
+
+def output_format(path: PathLike, format: str | None = None) -> str:  # the contract's name
+    """The output format :func:`open_writer` would use for ``path`` (or raise :class:`UnknownFormatError`)."""
+    return _format_of(Path(path), format, _WRITE_FORMATS, "output")
+
+
+def input_fingerprint(path: PathLike, fmt: str, st: os.stat_result | None = None) -> str:
+    """The input file's identity for a checkpoint: format, resolved path, size and mtime (a stat, no read)."""
+    file = Path(path)
+    st = file.stat() if st is None else st
+    return f"{fmt}:{file.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _bounded_lines(f: IO[bytes], cap: int) -> Iterator[bytes | None]:
+    """Each line of ``f`` (its newline kept), or None for a line whose content is longer than ``cap`` bytes.
+
+    A long line is skipped with reads of at most ``_SKIP_BYTES`` up to its newline: memory stays bounded by ``cap``.
+    """
+    readline = f.readline
+    limit = cap + 1
+    while line := readline(limit):
+        if len(line) < limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := readline(_SKIP_BYTES)) and not rest.endswith(b"\n"):
+            pass
+        yield None
+
+
+def _too_long(where: str, cap: int) -> BadRow:
+    return BadRow(f"{where}: longer than {cap:,} bytes (max_line_bytes): skipped")
 
 
 def _pyarrow() -> tuple[Any, Any]:
@@ -115,6 +167,7 @@ def read_rows(
     format: str | None = None,  # the contract's name
     start: int = 0,
     string_inputs: Collection[str] = (),
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> RowSource:
     """Open ``path`` for streaming its rows from ``start`` on (0-based); the format comes from the suffix or ``format``.
 
@@ -122,6 +175,7 @@ def read_rows(
     dropped); a bare value (a ``.txt`` line, a ``.npy`` row, a JSONL line that is not an object) is keyed by the
     only input, and is a :class:`BadRow` for a model with several. With no names given, rows pass as they are.
     ``string_inputs``: inputs that take text (BYTES): their CSV cells stay strings (``"007"`` is not the number 7).
+    ``max_line_bytes``: the longest line (JSONL, CSV, ``.txt``) read as a row; a longer one is a :class:`BadRow`.
     Parquet needs pyarrow (an ImportError names the extra to install).
     """
     file = Path(path)
@@ -129,14 +183,16 @@ def read_rows(
     names = tuple(input_names)
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
+    if max_line_bytes < 1:
+        raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
     if fmt == "jsonl":
-        return _JsonlSource(file, names, start)
+        return _JsonlSource(file, names, start, max_line_bytes)
     if fmt == "csv":
-        return _CsvSource(file, names, start, frozenset(string_inputs))
+        return _CsvSource(file, names, start, frozenset(string_inputs), max_line_bytes)
     if fmt == "npy":
         return _NpySource(file, names, start)
     if fmt == "txt":
-        return _TextSource(file, names, start)
+        return _TextSource(file, names, start, max_line_bytes)
     return _ParquetSource(file, names, start)
 
 
@@ -150,12 +206,14 @@ class RowSource(Iterable[Row | BadRow]):
 
     format: ClassVar[str]
 
-    def __init__(self, path: Path, input_names: tuple[str, ...], start: int) -> None:
+    def __init__(
+        self, path: Path, input_names: tuple[str, ...], start: int, max_line_bytes: int = MAX_LINE_BYTES
+    ) -> None:
         self.path = path
         self.input_names = input_names
         self.start = start
-        st = path.stat()
-        self.fingerprint = f"{self.format}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        self.max_line_bytes = max_line_bytes
+        self.fingerprint = input_fingerprint(path, self.format)
 
     @cached_property
     def total(self) -> int | None:
@@ -220,9 +278,11 @@ class _JsonlSource(RowSource):
 
     format = "jsonl"
 
-    @staticmethod
-    def _lines(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
-        for lineno, line in enumerate(f, 1):
+    def _lines(self, f: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:
+        for lineno, line in enumerate(_bounded_lines(f, self.max_line_bytes), 1):
+            if line is None:
+                yield lineno, None  # too long: a row, whatever it held
+                continue
             if lineno == 1:
                 line = _strip_bom(line)
             if line.strip():
@@ -231,6 +291,9 @@ class _JsonlSource(RowSource):
     def _rows(self) -> Iterator[Row | BadRow]:
         with open(self.path, "rb") as f:
             for lineno, line in itertools.islice(self._lines(f), self.start, None):
+                if line is None:
+                    yield _too_long(f"line {lineno}", self.max_line_bytes)
+                    continue
                 try:
                     value = json.loads(line)
                 except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -248,13 +311,17 @@ class _TextSource(RowSource):
 
     format = "txt"
 
-    def __init__(self, path: Path, input_names: tuple[str, ...], start: int) -> None:
-        super().__init__(path, input_names, start)
+    def __init__(self, path: Path, input_names: tuple[str, ...], start: int, max_line_bytes: int) -> None:
+        super().__init__(path, input_names, start, max_line_bytes)
         _single_input(path, input_names, "txt")
 
     def _rows(self) -> Iterator[Row | BadRow]:
         with open(self.path, "rb") as f:
-            for lineno, raw in enumerate(itertools.islice(f, self.start, None), self.start + 1):
+            lines = _bounded_lines(f, self.max_line_bytes)
+            for lineno, raw in enumerate(itertools.islice(lines, self.start, None), self.start + 1):
+                if raw is None:
+                    yield _too_long(f"line {lineno}", self.max_line_bytes)
+                    continue
                 line = _strip_bom(raw) if lineno == 1 else raw
                 line = line[:-1] if line.endswith(b"\n") else line
                 line = line[:-1] if line.endswith(b"\r") else line
@@ -285,11 +352,13 @@ class _CsvSource(RowSource):
 
     format = "csv"
 
-    def __init__(self, path: Path, input_names: tuple[str, ...], start: int, string_inputs: frozenset[str]) -> None:
-        super().__init__(path, input_names, start)
+    def __init__(
+        self, path: Path, input_names: tuple[str, ...], start: int, string_inputs: frozenset[str], max_line_bytes: int
+    ) -> None:
+        super().__init__(path, input_names, start, max_line_bytes)
         self.string_inputs = string_inputs
         with self._open() as f:
-            header = next((rec for _, rec in self._records(csv.reader(f)) if not isinstance(rec, csv.Error)), None)
+            header = next((rec for _, rec in self._records(f) if not isinstance(rec, csv.Error)), None)
         if header is None:
             raise ValueError(f"{path}: no header row (a CSV input starts with a row of input names)")
         if len(set(header)) != len(header):
@@ -313,9 +382,24 @@ class _CsvSource(RowSource):
         # Undecodable bytes survive as surrogates, so that one bad cell makes one BadRow, not a failed job.
         return open(self.path, newline="", encoding="utf-8-sig", errors="surrogateescape")
 
-    @staticmethod
-    def _records(reader: Any) -> Iterator[tuple[int, list[str] | csv.Error]]:
+    def _lines(self, f: IO[str], overlong: list[int]) -> Iterator[str]:
+        """The file's lines for csv.reader; a line longer than the cap (in characters) is skipped in bounded reads,
+        noted in ``overlong`` and replaced by a placeholder, so that the record holding it becomes an error row."""
+        readline = f.readline
+        limit = self.max_line_bytes + 1
+        while line := readline(limit):
+            if len(line) < limit or line[-1] in "\r\n":
+                yield line
+                continue
+            while (rest := readline(_SKIP_BYTES)) and rest[-1] not in "\r\n":
+                pass
+            overlong.append(1)
+            yield "-\n"
+
+    def _records(self, f: IO[str]) -> Iterator[tuple[int, list[str] | csv.Error]]:
         """``(line, record or the csv.Error that replaced it)`` for every non-blank record."""
+        overlong: list[int] = []
+        reader = csv.reader(self._lines(f, overlong))
         while True:
             before = reader.line_num
             try:
@@ -325,14 +409,20 @@ class _CsvSource(RowSource):
             except csv.Error as err:
                 if reader.line_num == before:
                     raise  # no progress: the reader would fail here forever
+                overlong.clear()
                 yield reader.line_num, err
                 continue
-            if record:
+            if overlong:
+                overlong.clear()
+                yield reader.line_num, csv.Error(
+                    f"longer than {self.max_line_bytes:,} characters (max_line_bytes): skipped"
+                )
+            elif record:
                 yield reader.line_num, record
 
     def _data(self, f: IO[str]) -> Iterator[tuple[int, list[str] | csv.Error]]:
         """The records after the header."""
-        records = self._records(csv.reader(f))
+        records = self._records(f)
         for _, record in records:
             if not isinstance(record, csv.Error):
                 break
@@ -543,12 +633,21 @@ class ResultWriter(Protocol):
     those rows and close are no-ops or refused).
     """
 
+    path: Path
+    errors_path: Path | None
+    checkpoint_path: Path
     rows_written: int
     errors_written: int
     rows_done: int
     complete: bool
 
     def open(self) -> int: ...
+
+    def inspect(self) -> SavedCheckpoint | None: ...
+
+    def reset(self) -> None: ...
+
+    def extra_paths(self) -> list[tuple[str, Path]]: ...
 
     def write(self, index: int, outputs: Mapping[str, npt.NDArray[Any]]) -> None: ...
 
@@ -660,12 +759,9 @@ class _Writer:
         if self._state != "new":
             raise RuntimeError(f"{self.path}: open() was already called")
         saved = self._ckpt.saved()
+        if saved is not None:
+            self._verify(saved)
         if saved is not None and saved.complete:
-            if not self.path.exists():
-                raise CheckpointMismatch(
-                    f"{self.checkpoint_path} says the job finished, but {self.path} is gone: remove the checkpoint "
-                    "to run it again"
-                )
             self._tidy_finished()
             self._counts(saved.meta)
             self.rows_done = self._next = saved.rows
@@ -682,6 +778,52 @@ class _Writer:
             self.abandon()
             raise
         return self.rows_done
+
+    def inspect(self) -> SavedCheckpoint | None:
+        """What the checkpoint says, checked against the files it describes, touching nothing; None when there is
+        none. Raises :class:`CheckpointMismatch` (another job's) or :class:`CheckpointFilesMismatch`."""
+        saved = self._ckpt.saved()
+        if saved is not None:
+            self._verify(saved)
+        return saved
+
+    def reset(self) -> None:
+        """Forget the job: remove its checkpoint (and a format's own leftovers); the next ``open()`` starts over and
+        cuts the files to nothing."""
+        if self._state == "open":
+            self.abandon()
+        self._state = "new"
+        self.checkpoint_path.unlink(missing_ok=True)
+        self._forget()
+
+    def extra_paths(self) -> list[tuple[str, Path]]:
+        """Paths besides output, errors and checkpoint that the writer creates or writes in (role, path)."""
+        return []
+
+    def _verify(self, saved: SavedCheckpoint) -> None:
+        """Raise :class:`CheckpointFilesMismatch` when the files disagree with the checkpoint ``saved``."""
+        ckpt = self.checkpoint_path
+
+        def mismatch(problem: str, restore: Path | None = None) -> CheckpointFilesMismatch:
+            what = f"restore {restore.name}, or " if restore is not None else ""
+            return CheckpointFilesMismatch(f"{ckpt}: {problem}: {what}delete {ckpt.name} to start over")
+
+        if saved.complete and not self.path.exists():
+            raise mismatch(f"says the job finished ({saved.rows:,} rows), but {self.path} is missing", self.path)
+        self._ckpt.verify(saved)
+        written, failed = int(saved.meta.get("rows_written", 0)), int(saved.meta.get("errors_written", 0))
+        if written + failed > saved.rows:
+            raise mismatch(f"counts {written:,} rows written and {failed:,} failed, more than the {saved.rows:,} rows "
+                           "it says are done")
+        if self.errors_path is not None and "errors_written" in saved.meta and (failed > 0) != (saved.err_bytes > 0):
+            raise mismatch(f"counts {failed:,} failed rows in {saved.err_bytes:,} bytes of {self.errors_path}")
+        self._verify_format(saved, mismatch)
+
+    def _verify_format(self, saved: SavedCheckpoint, mismatch: Any) -> None:
+        """The format's own checks of the checkpoint against its files."""
+
+    def _forget(self) -> None:
+        """Remove the format's own files besides the output (reset())."""
 
     def _counts(self, meta: Mapping[str, Any]) -> None:
         self.rows_written = int(meta.get("rows_written", 0))
@@ -814,6 +956,11 @@ class _Writer:
 class _JsonlWriter(_Writer):
     format = "jsonl"
 
+    def _verify_format(self, saved: SavedCheckpoint, mismatch: Any) -> None:
+        written = int(saved.meta.get("rows_written", 0))
+        if "rows_written" in saved.meta and (written > 0) != (saved.out_bytes > 0):
+            raise mismatch(f"counts {written:,} rows written in {saved.out_bytes:,} bytes of {self.path}")
+
     def _write_row(self, index: int, outputs: Mapping[str, npt.NDArray[Any]]) -> str | None:
         if "row" in outputs:
             raise ValueError("an output named 'row' clashes with the row index in JSONL output: choose the outputs")
@@ -871,6 +1018,19 @@ class _NpyWriter(_Writer):
                 self.output = str(meta["output"])
         self._pending = int(meta.get("pending", 0))
         self._fd = os.open(self.path, os.O_WRONLY)
+
+    def _verify_format(self, saved: SavedCheckpoint, mismatch: Any) -> None:
+        meta = saved.meta
+        if saved.complete:
+            return  # the rows then sit in the file whole; the size was checked
+        if "dtype" in meta:
+            dtype, row_shape = np.dtype(meta["dtype"]), tuple(meta["row_shape"])
+            expected = _npy_header_size(row_shape, dtype) + saved.rows * dtype.itemsize * math.prod(row_shape)
+        else:
+            expected = 0
+        if saved.out_bytes != expected:
+            raise mismatch(f"records {saved.out_bytes:,} bytes of {self.path} for {saved.rows:,} rows, where the "
+                           f".npy layout needs {expected:,}")
 
     def _meta(self) -> dict[str, Any]:
         if self._dtype is None:
@@ -962,6 +1122,23 @@ class _ParquetWriter(_Writer):
 
     def _part(self, k: int) -> Path:
         return self.parts_dir / f"part-{k:06d}.parquet"
+
+    def extra_paths(self) -> list[tuple[str, Path]]:
+        return [("parts", self.parts_dir), ("merging", self._merging())]
+
+    def _verify_format(self, saved: SavedCheckpoint, mismatch: Any) -> None:
+        if saved.complete:
+            return
+        parts = int(saved.meta.get("parts", 0))
+        for k in range(parts):
+            if not self._part(k).is_file():
+                raise mismatch(f"records {parts} committed parts, but {self._part(k)} is missing", self.parts_dir)
+        if parts == 0 and int(saved.meta.get("rows_written", 0)) > 0:
+            raise mismatch(f"counts {saved.meta['rows_written']:,} rows written, but no committed part")
+
+    def _forget(self) -> None:
+        self._tidy_finished()
+        self._merging().unlink(missing_ok=True)
 
     def _merging(self) -> Path:
         return self.path.with_name(self.path.name + ".merging")

@@ -52,9 +52,11 @@ from .._model import ModelSpec, TensorSpec
 from .._model._build import _fmt, _shape_matches
 from .._wire import InferResult
 from .._wire._dtypes import coerce
-from ._formats import BadRow, open_writer, read_rows
+from ._formats import MAX_LINE_BYTES, BadRow, read_rows
 from ._ordered import ordered_map
+from ._plan import plan_job
 from ._progress import Progress
+from ._safety import InputFileError, JobPathError
 
 if TYPE_CHECKING:
     from .._client import Model
@@ -85,7 +87,8 @@ class ScoredRow:
 
 @attrs.frozen(kw_only=True)
 class ScoreSummary:
-    """What a :func:`score` run did. ``rows_ok``/``rows_failed`` count this run; ``resumed_from`` the rows before it."""
+    """What a :func:`score` run did. ``rows_ok``/``rows_failed`` count this run; ``resumed_from`` the rows before it;
+    ``job_rows_ok``/``job_rows_failed`` count every run of the job (what the output and errors files hold)."""
 
     output: Path
     errors: Path
@@ -94,6 +97,19 @@ class ScoreSummary:
     resumed_from: int
     elapsed_s: float
     complete: bool
+    job_rows_ok: int = -1
+    job_rows_failed: int = -1
+
+    def __attrs_post_init__(self) -> None:
+        # A summary made by hand (no earlier runs known): the job is this run.
+        if self.job_rows_ok < 0:
+            object.__setattr__(self, "job_rows_ok", self.rows_ok)
+        if self.job_rows_failed < 0:
+            object.__setattr__(self, "job_rows_failed", self.rows_failed)
+
+    @property
+    def job_rows(self) -> int:
+        return self.job_rows_ok + self.job_rows_failed
 
     @property
     def rows(self) -> int:
@@ -448,6 +464,9 @@ async def score(
     timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
     patience_s: float = 120.0,
     commit_every_s: float = 1.0,
+    overwrite: bool = False,
+    resume: bool = False,
+    max_line_bytes: int = MAX_LINE_BYTES,
 ) -> ScoreSummary:
     """Score every row of ``source`` (a file or an iterable) into ``output``; resumable. Returns a summary.
 
@@ -455,22 +474,38 @@ async def score(
     and each output per line), ``.npy`` (one output) or Parquet. Rows the model refuses go to ``errors`` (default
     ``<output>.errors.jsonl``) with the reason, and the job goes on. The output is committed about every
     ``commit_every_s``; after a crash or Ctrl-C, calling again with the same arguments resumes after the last commit,
-    and every row ends up in the output (or the errors file) exactly once. An iterable source must yield the same
-    rows in the same order on every call. ``progress``: a progress bar on stderr (default: when it is a terminal).
+    and every row ends up in the output (or the errors file) exactly once. ``progress``: a progress bar on stderr
+    (default: when it is a terminal).
+
+    Before anything is opened the paths are checked (docs/scoring.md, "What the job refuses"): an output, errors or
+    checkpoint path that is the input (also through a link) is refused, and so is an existing file the job did not
+    write (its checkpoint vouches for those it did), a symlink, or a checkpoint that disagrees with its files, each
+    with a typed :class:`UsageError`. ``overwrite``: replace such files (a symlink: the link itself, never its
+    target) and start over; a job whose checkpoint matches still resumes. ``resume``: an iterable source cannot be
+    checked for changes, so a job with one resumes from its checkpoint only when this is True (the iterable must
+    yield the same rows in the same order), and is refused otherwise. ``max_line_bytes``: a longer line of a JSONL,
+    CSV or text input is an error row, never read whole.
     """
     spec = model.spec
-    output = Path(output)
-    errors_path = Path(errors) if errors is not None else output.with_name(output.name + ".errors.jsonl")
-    options = f"model={spec.name};batch={batch_size};outputs={list(outputs) if outputs else None}"
+    in_memory = not isinstance(source, str | os.PathLike)
+    plan = plan_job(
+        None if in_memory else source,  # type: ignore[arg-type]
+        output, model=spec.name, errors=errors, batch_size=batch_size, outputs=outputs,
+        input_format_name=input_format, output_format_name=output_format, overwrite=overwrite, resume=resume,
+    )
+    output, errors_path, writer = plan.output, plan.errors, plan.writer
     names = [t.name for t in spec.inputs]
     strings = [t.name for t in spec.inputs if t.dtype == "BYTES"]  # CSV cells of these stay text
-    if isinstance(source, str | os.PathLike):
-        fingerprint = read_rows(source, input_names=names, format=input_format).fingerprint  # a stat, no read
-    else:
-        fingerprint = "iterable"
-    fingerprint += f";{options}"
-    writer = open_writer(output, fingerprint=fingerprint, errors_path=errors_path, format=output_format,
-                         **({"output": outputs[0]} if outputs and len(outputs) == 1 else {}))
+    reader = None
+    if plan.source is not None:
+        # Made before the writer opens anything: an input that cannot be read leaves no file behind.
+        try:
+            reader = read_rows(plan.source, input_names=names, format=plan.input_format, string_inputs=strings,
+                               max_line_bytes=max_line_bytes)
+        except JobPathError:
+            raise
+        except (ValueError, OSError) as err:
+            raise InputFileError(f"input file {plan.source}: {err}", path=plan.source, role="input") from err
     started = time.monotonic()
     done = writer.open()
     if writer.complete:
@@ -478,14 +513,16 @@ async def score(
         writer.close()
         return ScoreSummary(
             output=output, errors=errors_path, rows_ok=0, rows_failed=0, resumed_from=done,
-            elapsed_s=time.monotonic() - started, complete=True,
+            elapsed_s=time.monotonic() - started, complete=True, job_rows_ok=writer.rows_written,
+            job_rows_failed=writer.errors_written,
         )
     rows: Iterable[Any] | AsyncIterable[Any]
     total: int | None
-    if isinstance(source, str | os.PathLike):
-        reader = read_rows(source, input_names=names, format=input_format, start=done, string_inputs=strings)
+    if reader is not None:
+        reader.start = done
         rows, total = reader, reader.total
     else:
+        assert not isinstance(source, str | os.PathLike)
         rows = _skip(source, done)
         try:
             total = len(source)  # type: ignore[arg-type]
@@ -526,7 +563,8 @@ async def score(
         bar.close()
     return ScoreSummary(
         output=output, errors=errors_path, rows_ok=ok, rows_failed=failed, resumed_from=done,
-        elapsed_s=time.monotonic() - started, complete=complete,
+        elapsed_s=time.monotonic() - started, complete=complete, job_rows_ok=writer.rows_written,
+        job_rows_failed=writer.errors_written,
     )
 
 

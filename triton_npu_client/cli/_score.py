@@ -3,6 +3,9 @@
 Re-running the same command after a crash or Ctrl-C continues after the last commit. Without ``--url`` an
 embedded server is started on the packaged model repository, loading only the model asked for (an ensemble
 brings its composing models). The summary goes to stdout, the progress bar to stderr when it is a terminal.
+
+Every mistake in the arguments, paths, formats or checkpoint is found before a server starts, and reported as one
+line on stderr with its own exit code (:data:`EXIT_CODES`, also in ``--help`` and docs/scoring.md).
 """
 
 from __future__ import annotations
@@ -10,14 +13,109 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
-from .._errors import UsageError
+from .._errors import JobAborted, ModelNotFoundError, TritonError, UsageError
 from .._local import LocalTriton, default_model_repository
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["EXIT_CODES", "add_arguments", "run"]
 
+EXIT_OK = 0
+EXIT_USAGE = 2  # bad arguments (argparse's own code): a malformed or out-of-range number, a missing flag
+EXIT_ROWS_FAILED = 3
+EXIT_ABORTED = 4
+EXIT_INPUT_MISSING = 10
+EXIT_INPUT_UNREADABLE = 11
+EXIT_INPUT_FORMAT = 12
+EXIT_OUTPUT_FORMAT = 13
+EXIT_SAME_FILE = 14
+EXIT_OUTPUT_EXISTS = 15
+EXIT_CHECKPOINT_OTHER_JOB = 16
+EXIT_CHECKPOINT_FILES = 17
+EXIT_MODEL_NOT_FOUND = 18
+EXIT_ERROR = 19  # any other error the SDK raised on purpose (a server error, a local server that failed to start)
 EXIT_INTERRUPTED = 130
+
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "done; failed rows, if any, within --max-failed",
+    EXIT_USAGE: "bad arguments: a missing flag, a malformed or out-of-range number",
+    EXIT_ROWS_FAILED: "the job finished, but more rows failed than --max-failed allows (see the errors file)",
+    EXIT_ABORTED: "the server stayed unreachable past the job's patience: re-run to resume",
+    EXIT_INPUT_MISSING: "the input file does not exist",
+    EXIT_INPUT_UNREADABLE: "the input cannot be read as rows (a directory, no permission, a CSV without header, ...)",
+    EXIT_INPUT_FORMAT: "the input's format is unknown (its suffix; --input-format)",
+    EXIT_OUTPUT_FORMAT: "the output's format is unknown (its suffix; --output-format)",
+    EXIT_SAME_FILE: "an output, errors or checkpoint path is the input (also through a link), or two are one file",
+    EXIT_OUTPUT_EXISTS: "an output, errors or checkpoint path holds a file this job did not write, or a symlink: "
+                        "--overwrite replaces it",
+    EXIT_CHECKPOINT_OTHER_JOB: "the checkpoint belongs to another job (the input or options changed): --overwrite "
+                               "starts over",
+    EXIT_CHECKPOINT_FILES: "the checkpoint disagrees with its files (the output missing or cut short): restore them, "
+                           "or delete the checkpoint (or --overwrite) to start over",
+    EXIT_MODEL_NOT_FOUND: "no such model (among the packaged models, or on --url)",
+    EXIT_ERROR: "another error (a server error, an embedded server that failed to start)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C): re-run the same command to resume",
+}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, given {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, given {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, given {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, given {text!r}")
+    return value
+
+
+def _max_failed(text: str) -> int | float:
+    """A count of rows (``10``), or a share of the job's rows (``0.01``, ``1%``)."""
+    t = text.strip()
+    try:
+        if t.endswith("%"):
+            share = float(t[:-1]) / 100
+        elif any(c in t for c in ".eE"):
+            share = float(t)
+        else:
+            count = int(t)
+            if count < 0:
+                raise ValueError
+            return count
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a row count (10) or a share of the rows (0.01 or 1%), given {text!r}"
+        ) from None
+    if not 0.0 <= share <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share of the rows is between 0 and 1 (0% and 100%), given {text!r}")
+    return share
+
+
+def _help_epilog() -> str:
+    lines = ["exit codes:"]
+    lines += [f"  {code:>3}  {text}" for code, text in EXIT_CODES.items()]
+    return "\n".join(lines)
+
+
+def _error_one_line(message: str) -> NoReturn:
+    print(f"triton-npu score: {_one_line(message)}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split("\n"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,52 +123,123 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, help="rows: .jsonl, .csv, .npy, .txt (a row per line), .parquet")
     p.add_argument("--output", required=True, help="results: .jsonl, .npy (one output) or .parquet")
     p.add_argument("--errors", default=None, help="refused rows and why (default OUTPUT.errors.jsonl)")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
-    p.add_argument("--batch-size", type=int, default=None, help="rows per request (default: the model's max)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace output, errors or checkpoint files this job did not write (a symlink: the link "
+                        "itself, never its target), and start over from another job's checkpoint; never the input")
+    p.add_argument("--max-failed", type=_max_failed, default=0, metavar="N|SHARE",
+                   help="failed rows tolerated before the exit code says so (3): a count (default 0) or a share of "
+                        "the job's rows (0.01 or 1%%)")
+    p.add_argument("--concurrency", type=_positive_int, default=4, help="requests in flight (default 4)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="rows per request (default: the model's max)")
     p.add_argument("--output-name", action="append", default=None, help="only this output (repeatable)")
     p.add_argument("--input-format", default=None, help="override the input format (jsonl, csv, npy, txt, parquet)")
     p.add_argument("--output-format", default=None, help="override the output format (jsonl, npy, parquet)")
+    p.add_argument("--max-line-bytes", type=_positive_int, default=None,
+                   help="a longer line of a JSONL, CSV or text input is an error row (default 8 MiB)")
     p.add_argument("--shared-memory", action="store_true", help="send tensors through system shared memory")
     p.add_argument("--url", default=None, help="server (grpc://host:port or http://...); default: start one here")
-    p.add_argument("--commit-every", type=float, default=1.0, help="seconds between commits (default 1)")
+    p.add_argument("--commit-every", type=_positive_float, default=1.0, help="seconds between commits (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
-    p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for an embedded server")
+    p.add_argument("--startup-timeout", type=_positive_float, default=180.0,
+                   help="seconds to wait for an embedded server")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = _help_epilog()
+    # One line on stderr, not argparse's usage block: the same shape as every other mistake.
+    p.error = _error_one_line  # type: ignore[method-assign]
+
+
+def _preflight(ns: argparse.Namespace) -> None:
+    """Every check that needs no server: paths, formats, the checkpoint, the input's own structure."""
+    from .._jobs import plan_job
+    from .._jobs._formats import read_rows
+    from .._jobs._safety import InputFileError, JobPathError
+
+    plan = plan_job(
+        ns.input, ns.output, model=ns.model, errors=ns.errors, batch_size=ns.batch_size, outputs=ns.output_name,
+        input_format_name=ns.input_format, output_format_name=ns.output_format, overwrite=ns.overwrite, apply=False,
+    )
+    assert plan.source is not None
+    try:
+        read_rows(plan.source, input_names=(), format=plan.input_format)  # a header, a footer: no rows read
+    except JobPathError:
+        raise
+    except (ValueError, OSError) as err:
+        raise InputFileError(f"input file {plan.source}: {err}", path=plan.source, role="input") from err
+    if ns.url is None and not (default_model_repository() / ns.model / "config.pbtxt").is_file():
+        raise ModelNotFoundError(f"no model {ns.model!r} among the packaged server models: pass --url",
+                                 model=ns.model)
 
 
 async def _main(ns: argparse.Namespace) -> int:
     from .._client import Client
     from .._jobs import score
 
-    if ns.concurrency < 1:
-        raise UsageError(f"--concurrency must be >= 1, got {ns.concurrency}")
     async with contextlib.AsyncExitStack() as stack:
         url = ns.url
         if url is None:
-            repository = default_model_repository()
-            if not (repository / ns.model / "config.pbtxt").is_file():
-                raise UsageError(f"no model {ns.model!r} among the packaged server models: pass --url")
             print(f"starting tritonserver for model {ns.model!r} ...", file=sys.stderr, flush=True)
             server = LocalTriton(
-                repository, model_control_mode="explicit", load_models=[ns.model],
+                default_model_repository(), model_control_mode="explicit", load_models=[ns.model],
                 startup_timeout_s=ns.startup_timeout,
             )
             await stack.enter_async_context(server)
             url = server.grpc_url
         client = await stack.enter_async_context(Client(url, timeout_s=60.0))
         model = await client.model(ns.model)
+        extra = {} if ns.max_line_bytes is None else {"max_line_bytes": ns.max_line_bytes}
         summary = await score(
             model, ns.input, ns.output, errors=ns.errors, concurrency=ns.concurrency, batch_size=ns.batch_size,
             outputs=ns.output_name, progress=False if ns.no_progress else None, shared_memory=ns.shared_memory,
             input_format=ns.input_format, output_format=ns.output_format, commit_every_s=ns.commit_every,
+            overwrite=ns.overwrite, **extra,
         )
         print(summary, flush=True)
-    return 0
+    failed, total = summary.job_rows_failed, summary.job_rows
+    allowed = ns.max_failed if isinstance(ns.max_failed, int) else math.floor(ns.max_failed * total)
+    if failed > allowed:
+        print(f"triton-npu score: {failed:,} of {total:,} rows failed, more than --max-failed {ns.max_failed} "
+              f"allows ({allowed:,}): see {summary.errors}", file=sys.stderr)
+        return EXIT_ROWS_FAILED
+    return EXIT_OK
+
+
+def _exit_code(err: TritonError) -> int:
+    from .._jobs._safety import (
+        CheckpointFilesMismatch,
+        CheckpointMismatch,
+        InputFileError,
+        InputFileNotFound,
+        OutputExistsError,
+        SameFileError,
+        UnknownFormatError,
+    )
+
+    table: list[tuple[type[BaseException], int | Callable[[TritonError], int]]] = [
+        (InputFileNotFound, EXIT_INPUT_MISSING),
+        (InputFileError, EXIT_INPUT_UNREADABLE),
+        (UnknownFormatError, lambda e: EXIT_INPUT_FORMAT if getattr(e, "role", "") == "input" else EXIT_OUTPUT_FORMAT),
+        (SameFileError, EXIT_SAME_FILE),
+        (OutputExistsError, EXIT_OUTPUT_EXISTS),
+        (CheckpointFilesMismatch, EXIT_CHECKPOINT_FILES),
+        (CheckpointMismatch, EXIT_CHECKPOINT_OTHER_JOB),
+        (ModelNotFoundError, EXIT_MODEL_NOT_FOUND),
+        (JobAborted, EXIT_ABORTED),
+        (UsageError, EXIT_USAGE),
+    ]
+    for kind, code in table:
+        if isinstance(err, kind):
+            return code(err) if callable(code) else code
+    return EXIT_ERROR
 
 
 def run(ns: argparse.Namespace) -> int:
     """``triton-npu score``: see the module docstring."""
     try:
+        _preflight(ns)
         return asyncio.run(_main(ns))
+    except TritonError as err:
+        print(f"triton-npu score: {_one_line(str(err))}", file=sys.stderr)
+        return _exit_code(err)
     except KeyboardInterrupt:
         # score() committed what it had written before the interrupt reached it.
         print(f"\ninterrupted: re-run the same command to resume ({ns.output})", file=sys.stderr)
