@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import attrs
 
@@ -29,7 +29,8 @@ from .._transport import GrpcTransport, HttpTransport, TLSConfig, Transport
 from .._transport._http import DEFAULT_HTTP_CONNECTIONS
 from ._model import Model
 
-DEFAULT_COALESCING: Final = Coalescing(models="dynamic_batching")
+# The defaults themselves are Coalescing's: written once, there.
+DEFAULT_COALESCING: Final = Coalescing()
 
 __all__ = ["Client", "ClientConfig", "ModelStatistics", "RepositoryModel", "ServerMetadata"]
 
@@ -41,6 +42,51 @@ def _freeze_headers(value: Mapping[str, str] | Sequence[tuple[str, str]] | None)
     return tuple(dict(value or {}).items())
 
 
+REDACTED: Final = "***"
+
+
+def _redacted_headers(headers: tuple[tuple[str, str], ...]) -> str:
+    """The headers' names with every value hidden: which header carries a secret is not this repr's to guess."""
+    return repr(tuple((name, REDACTED) for name, _ in headers))
+
+
+def _shown(parts: SplitResult) -> str:
+    """A URL as it may appear in a message: scheme, host and port only (user info, path and query can hold secrets)."""
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    try:
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:  # a port that is not a number: not a secret, but not a port either
+        port = ":?"
+    return f"{parts.scheme}://{host}{port}"
+
+
+def _check_url(_config: object, _attribute: object, url: str) -> None:
+    """A server URL names a scheme and a host, and no credentials: refused with a clear message that quotes none."""
+    parts = urlsplit(url)
+    if parts.scheme not in _DEFAULT_PORTS:
+        raise UsageError(
+            f"unsupported URL scheme {parts.scheme!r} in {_shown(parts)}: use grpc://, grpcs://, http:// or https://"
+        )
+    if "@" in parts.netloc:
+        # Nothing would send them (the transports connect to host:port), and the URL shows in reprs and messages.
+        raise UsageError(
+            f"the URL for {_shown(parts)} carries user info (user:password@): the client never sends it; pass "
+            "credentials as headers, e.g. Client(url, headers={'authorization': ...}), whose values are never shown"
+        )
+    if parts.query or parts.fragment:
+        raise UsageError(
+            f"the URL for {_shown(parts)} carries a query or a fragment, which the client would ignore: "
+            "use scheme://host[:port], and pass tokens as headers"
+        )
+    if not parts.hostname:
+        raise UsageError(f"no host in the URL {_shown(parts)}")
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError as err:
+        raise UsageError(f"the port of the URL {_shown(parts)} is not a number from 0 to 65535") from err
+
+
 def _freeze_options(
     value: Mapping[str, Any] | Sequence[tuple[str, Any]] | None,
 ) -> tuple[tuple[str, Any], ...]:
@@ -49,11 +95,16 @@ def _freeze_options(
 
 @attrs.frozen(kw_only=True)
 class ClientConfig:
-    """Everything a :class:`Client` is made from; ``client.with_options(...)`` evolves a copy."""
+    """Everything a :class:`Client` is made from; ``client.with_options(...)`` evolves a copy.
 
-    url: str
+    ``url`` is ``scheme://host[:port]``; a URL with user info (``user:password@``), a query or a fragment is refused
+    with :class:`UsageError` (credentials go in ``headers``). ``headers`` keep their values (every call sends them),
+    but the repr shows their names only: every value reads ``***``, whatever the header.
+    """
+
+    url: str = attrs.field(validator=_check_url)
     timeout_s: float | None = 60.0
-    headers: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_freeze_headers)
+    headers: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_freeze_headers, repr=_redacted_headers)
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     tls: TLSConfig | None = None
     channel_options: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_freeze_options)
@@ -67,11 +118,8 @@ class ClientConfig:
 
     def target(self) -> str:
         """``host:port`` from the URL, with the scheme's default port."""
-        parts = urlsplit(self.url)
-        if parts.scheme not in _DEFAULT_PORTS:
-            raise UsageError(f"unsupported URL scheme in {self.url!r}: use grpc://, grpcs://, http:// or https://")
-        if not parts.hostname:
-            raise UsageError(f"no host in URL {self.url!r}")
+        parts = urlsplit(self.url)  # checked when the config was made
+        assert parts.hostname is not None
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         return f"{host}:{parts.port or _DEFAULT_PORTS[parts.scheme]}"
 
@@ -165,8 +213,11 @@ class Client:
             result = await model.infer(INPUT0=[1.0, 2.0])
 
     ``timeout_s`` is the default per-call limit (``None``: no limit); per call it becomes the gRPC deadline
-    and Triton's server-side request timeout. ``retry`` applies to stateless inference only. ``transport``
-    replaces the transport built from the URL (a seam for wrapping the real one, e.g. to count calls).
+    and Triton's server-side request timeout. ``headers`` go with every call (gRPC metadata, HTTP headers): put
+    credentials there (an API key, ``authorization``); their values never appear in a repr, a log record or an error
+    message. A URL carrying user info (``user:password@``) is refused with :class:`UsageError`. ``retry`` applies
+    to stateless inference only. ``transport`` replaces the transport built from the URL (a seam for wrapping the
+    real one, e.g. to count calls).
     Create it inside a running event loop: grpc.aio channels and aiohttp sessions bind to the loop (the
     constructor does no network I/O; connections open on first use).
 
@@ -174,7 +225,8 @@ class Client:
     batching: 2-5x the throughput at 16-256 in flight on 2 cores). By default only for models whose config has
     ``dynamic_batching``: their authors already let Triton merge requests, and a merged request the server
     refuses is re-sent caller by caller, so each caller still gets its own answer or error.
-    ``Coalescing()`` extends it to every batched model; ``None`` turns it off (see :class:`Coalescing`).
+    ``Coalescing(models="batched")`` extends it to every batched model; ``None`` turns it off (see
+    :class:`Coalescing`).
 
     ``streams``: how many long-lived gRPC streams the shared stream route spreads over (gRPC).
     ``http_connections``: HTTP connections open at once; more concurrent requests wait on this side, visibly
@@ -227,7 +279,7 @@ class Client:
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
-        return f"<Client {self._config.url}{state}>"
+        return f"<Client {_shown(urlsplit(self._config.url))}{state}>"
 
     # -- configuration and lifecycle ------------------------------------------------------------------
 
