@@ -56,7 +56,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_CHECKPOINT_FILES: "the checkpoint disagrees with its files (the output missing or cut short): restore them, "
                            "or delete the checkpoint (or --overwrite) to start over",
     EXIT_MODEL_NOT_FOUND: "no such model (among the packaged models, or on --url)",
-    EXIT_ERROR: "another error (a server error, an embedded server that failed to start)",
+    EXIT_ERROR: "another error (a server error, an embedded server that failed to start, no server at --url)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C): re-run the same command to resume",
 }
 
