@@ -1,11 +1,12 @@
 """Secrets never show: header values are hidden in every repr and str, a URL with user info is refused without
-quoting it, and neither log records (at DEBUG, every logger) nor error messages carry a header value."""
+quoting it, and neither log records (at DEBUG, every logger) nor error messages carry a header value or an API key."""
 
 from __future__ import annotations
 
 import logging
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from triton_npu_client import (
     Client,
     ClientConfig,
+    LocalServerError,
     LocalTriton,
     ModelNotFoundError,
     RequestTimeout,
@@ -158,3 +160,26 @@ async def test_no_header_value_in_log_records_or_error_messages(
         assert isinstance(err, TritonError)
         text = f"{err} {err!r} {''.join(traceback.format_exception(err))}"
         assert _leaks(text) == [], text
+
+
+def test_the_launcher_logs_no_api_key(tmp_path: Path, debug_logs: pytest.LogCaptureFixture) -> None:
+    """LocalTriton logs the command it starts at DEBUG: the API key of a restricted-protocol option reads ***.
+
+    /bin/false stands in for the binary: only the launcher's own log and error are looked at, no server runs.
+    """
+    server = LocalTriton(
+        tmp_path,
+        tritonserver="/bin/false",
+        extra_args=[
+            "--grpc-restricted-protocol=inference:x-api-key=key-APIKEY-0002",
+            "--http-restricted-api",
+            "inference:x-api-key=key-APIKEY-0002",
+        ],
+        startup_timeout_s=30,
+    )
+    with pytest.raises(LocalServerError) as failed:
+        server.start()
+    started = [r.getMessage() for r in debug_logs.records if r.name == "triton_npu_client.local"]
+    assert any("--grpc-restricted-protocol=inference:x-api-key=***" in m for m in started), started
+    assert [r.name for r in debug_logs.records if _leaks(_record_text(r))] == []
+    assert _leaks(f"{failed.value} {failed.value!r} {server!r}") == []

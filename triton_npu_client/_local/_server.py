@@ -136,6 +136,21 @@ def find_tritonserver(explicit: str | os.PathLike[str] | None = None) -> Path:
     raise ServerBinaryNotFound(f"No tritonserver binary found. Looked at: {where}. {_INSTALL_HINT}", searched=searched)
 
 
+def _loggable(command: list[str]) -> str:
+    """``command`` as one line to log, with the API keys of Triton's restricted-protocol options hidden.
+
+    ``--grpc-restricted-protocol=<apis>:<header>=<key>`` and ``--http-restricted-api`` carry the key itself.
+    """
+    shown: list[str] = []
+    key_follows = False
+    for arg in command:
+        if key_follows or "restricted" in arg:
+            arg = re.sub(r"(:[^:=]+=).*$", r"\1***", arg)
+        key_follows = arg.startswith("--") and "restricted" in arg and "=" not in arg
+        shown.append(arg)
+    return " ".join(shown)
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -393,7 +408,7 @@ class LocalTriton:
         """Start the prepared command; quick (no Python runs between fork and exec)."""
         assert self._log_file is not None
         command = [*_parent_death_prefix(), *args]
-        _log.debug("starting %s", " ".join(command))
+        _log.debug("starting %s", _loggable(command))
         with self._log_file.open("wb") as log:
             self._proc = subprocess.Popen(
                 command,
