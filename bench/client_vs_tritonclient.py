@@ -92,7 +92,8 @@ async def server_url(url: str | None) -> AsyncIterator[str]:
     if url is not None:
         yield url
         return
-    async with LocalTriton() as server:
+    # Only the model measured: loading the whole repository (chat, MiniLM, ...) costs its start seconds.
+    async with LocalTriton(model_control_mode="explicit", load_models=[MODEL]) as server:
         yield f"{server.host}:{server.grpc_port}"
 
 

@@ -2,12 +2,17 @@
 
 No mock of Triton anywhere: every test that talks to a server talks to this one (or starts its own
 through LocalTriton when it must kill or restart it).
+
+Randomised tests take their seed from the ``seed`` fixture: a fixed default per test, or ``TNC_SEED`` from the
+environment for all of them (``TNC_SEED=123 .venv/bin/pytest tests/test_sequence_acceptance.py``). The seed
+used is printed, so a failure's captured output says how to re-run it.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,8 +41,37 @@ def no_launcher_temp_folder_left() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def triton_server() -> Iterator[LocalTriton]:
-    """The session's server on server_models/; explicit model control so tests can unload and load."""
-    server = LocalTriton(model_control_mode="explicit")
+    """The session's server on server_models/; explicit model control so tests can unload and load.
+
+    Stopped without a grace period (SIGKILL, the launcher then removes what the stubs left): a graceful stop
+    waits seconds for Triton's once-a-second shutdown poll, and tests/test_local.py is where stopping is tested.
+    """
+    server = LocalTriton(model_control_mode="explicit", stop_grace_s=0)
     with server:
         yield server
     assert server.processes() == [], "tritonserver or stub processes outlived the test run"
+
+
+SEED_ENV = "TNC_SEED"
+
+
+def pytest_report_header() -> str | None:
+    value = os.environ.get(SEED_ENV)
+    return f"{SEED_ENV}={value}: randomised tests use this seed instead of their defaults" if value else None
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> Callable[[int], int]:
+    """``seed(default)``: the seed a randomised test uses (``TNC_SEED`` if set, else ``default``), printed."""
+
+    def choose(default: int) -> int:
+        raw = os.environ.get(SEED_ENV, "")
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            raise pytest.UsageError(f"{SEED_ENV} must be an integer, got {raw!r}") from None
+        print(f"{request.node.nodeid}: seed {value} (re-run with {SEED_ENV}={value})")
+        request.node.user_properties.append(("seed", value))
+        return value
+
+    return choose

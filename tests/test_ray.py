@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,8 @@ def replica(tmp_path: Path) -> Iterator[LocalTriton]:
     """A second server with only scale_fp32: another replica of the session server's model."""
     repo = tmp_path / "repo"
     shutil.copytree(default_model_repository() / MODEL, repo / MODEL)
-    with LocalTriton(repo) as server:
+    # Killed when stopped (no grace): the failover test stops it mid-life, as a replica that dies would.
+    with LocalTriton(repo, stop_grace_s=0) as server:
         yield server
     assert server.processes() == []
 
@@ -237,10 +238,12 @@ def test_the_minilm_ensemble_on_a_text_column(ray_runtime: None, triton_server: 
     assert np.isnan(out[23]["EMBEDDING"]).all()
 
 
-def test_failover_mid_life_and_pickled_copies(triton_server: LocalTriton, replica: LocalTriton) -> None:
+def test_failover_mid_life_and_pickled_copies(
+    triton_server: LocalTriton, replica: LocalTriton, seed: Callable[[int], int]
+) -> None:
     """Called directly (no Ray): batches alternate between replicas; when one dies, its batch moves to the other
     and nothing is lost; a pickled copy works on its own; close() ends the loop thread."""
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed(3))
     batch = {"INPUT0": rng.standard_normal((40, 3)).astype(np.float32), "key": np.arange(40)}
     urls = [replica.grpc_url, triton_server.grpc_url]
     scorer = RayScorer(MODEL, urls, concurrency=2, batch_size=8, failover_after_s=1.0, patience_s=30.0)

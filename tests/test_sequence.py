@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +101,11 @@ async def test_decoupled_model_goes_over_the_stream(triton_server: LocalTriton) 
 
 
 @pytest.mark.parametrize(("protocol", "stream"), WAYS, ids=WAY_IDS)
-async def test_steps_build_state_and_end_frees_it(triton_server: LocalTriton, protocol: str, stream: bool) -> None:
+async def test_steps_build_state_and_end_frees_it(
+    triton_server: LocalTriton, protocol: str, stream: bool, seed: Callable[[int], int]
+) -> None:
     """Each step answers the running mean/variance of the session's own inputs; after end() the step is refused."""
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed(7))
     async with await client_for(triton_server, protocol) as client:
         model = await model_on(triton_server, client, "seq_stats_oldest")
         xs = [rng.standard_normal(4).astype(np.float32) for _ in range(5)]

@@ -8,15 +8,17 @@ sequences for the sweep to collect, so "back to zero" is asserted as "back to th
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import AsyncIterator
-from pathlib import Path
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
+import tritonclient.grpc as grpc_sync
 import tritonclient.grpc.aio as grpcclient
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from tools.perf_analyzer import ensure_perf_analyzer, run_perf_analyzer
@@ -65,10 +67,10 @@ async def client(triton_server: LocalTriton) -> AsyncIterator[grpcclient.Inferen
 
 @pytest.mark.parametrize("model", MODELS)
 async def test_interleaved_sequences_get_their_own_statistics(
-    client: grpcclient.InferenceServerClient, model: str
+    client: grpcclient.InferenceServerClient, model: str, seed: Callable[[int], int]
 ) -> None:
     """Interleaved sequences of different lengths each get numpy's mean/var/count of their own inputs."""
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(seed(4))
     baseline = await live_now(client, model, seq_id(model, 999))
     lengths = [3, 7, 1, 5, 7, 2, 6, 4]
     data = {seq_id(model, n): rng.normal(size=(length, DIM)) * 5 for n, length in enumerate(lengths)}
@@ -132,10 +134,12 @@ async def test_oldest_strategy_really_batches(client: grpcclient.InferenceServer
     assert exe1 - exe0 <= (inf1 - inf0) // 3, f"{exe1 - exe0} executions for {inf1 - inf0} inferences"
 
 
-async def test_direct_dummy_slots_leave_state_alone(client: grpcclient.InferenceServerClient) -> None:
+async def test_direct_dummy_slots_leave_state_alone(
+    client: grpcclient.InferenceServerClient, seed: Callable[[int], int]
+) -> None:
     """Direct strategy: after neighbours end (their slots then padded with dummies), a sequence's state is exact."""
     model = "seq_stats_direct"
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed(7))
     ids = [3_000_000 + n for n in range(4)]
     long_xs = rng.normal(size=(12, DIM))
     # Four sequences take slots 0..3; the first three end after two steps, the last keeps going alone.
@@ -201,18 +205,19 @@ def test_perf_analyzer_sequences_without_errors(triton_server: LocalTriton, mode
     assert result.server_inference_count > 0
 
 
-# --- a private server for what needs a small cap and a short idle timeout ---------------------------
+# --- a small twin of seq_stats_oldest for what needs a small cap and a short idle timeout --------------------
+
+# Loaded on the session server with Triton's load-with-override (config and model.py sent in the load request):
+# a second server for it would cost a start and a stop, seconds each. The name is not in server_models/, so
+# the repository index never lists it, and the module unloads it when it is done.
+SMALL = "seq_stats_small"
 
 
-@pytest.fixture(scope="module")
-def small_server(tmp_path_factory: pytest.TempPathFactory) -> object:
-    """seq_stats_oldest copied with max_sequences 3 and a 1 s idle timeout (0.2 s sweep grace)."""
-    repo = tmp_path_factory.mktemp("small_repo")
-    src = default_model_repository() / "seq_stats_oldest"
-    dst = repo / "seq_stats_oldest"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    config = (dst / "config.pbtxt").read_text()
+def small_config() -> str:
+    """seq_stats_oldest's config.pbtxt with max_sequences 3 and a 1 s idle timeout (0.2 s sweep grace), as JSON."""
+    config = (default_model_repository() / "seq_stats_oldest" / "config.pbtxt").read_text()
     for old, new in [
+        ('name: "seq_stats_oldest"', f'name: "{SMALL}"'),
         ("max_sequence_idle_microseconds: 3000000", "max_sequence_idle_microseconds: 1000000"),
         ('key: "max_sequences" value: { string_value: "4096" }', 'key: "max_sequences" value: { string_value: "3" }'),
         (
@@ -222,11 +227,20 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> object:
     ]:
         assert old in config, old
         config = config.replace(old, new)
-    (dst / "config.pbtxt").write_text(config)
-    server = LocalTriton(Path(repo))
-    with server:
-        yield server
-    assert server.processes() == []
+    return json_format.MessageToJson(text_format.Parse(config, model_config_pb2.ModelConfig()))
+
+
+@pytest.fixture(scope="module")
+def small_server(triton_server: LocalTriton) -> Iterator[LocalTriton]:
+    """The session server with SMALL loaded for this module."""
+    model_py = (default_model_repository() / "seq_stats_oldest" / "1" / "model.py").read_bytes()
+    admin = grpc_sync.InferenceServerClient(f"127.0.0.1:{triton_server.grpc_port}")
+    try:
+        admin.load_model(SMALL, config=small_config(), files={"file:1/model.py": model_py})
+        yield triton_server
+    finally:
+        admin.unload_model(SMALL)
+        admin.close()
 
 
 @pytest.fixture
@@ -240,7 +254,7 @@ async def small_client(small_server: LocalTriton) -> AsyncIterator[grpcclient.In
 
 async def test_cap_refuses_start_clearly_and_others_go_on(small_client: grpcclient.InferenceServerClient) -> None:
     """A 4th START over a cap of 3 gets UNAVAILABLE naming the cap; the 3 go on; after an END a new one fits."""
-    model = "seq_stats_oldest"
+    model = SMALL
     for sid in (11, 12, 13):
         await infer_step(small_client, model, sid, np.ones(DIM), start=True, end=False)
     results = await asyncio.gather(
@@ -269,13 +283,16 @@ async def test_cap_refuses_start_clearly_and_others_go_on(small_client: grpcclie
 
 async def test_idle_sequence_is_swept(small_client: grpcclient.InferenceServerClient) -> None:
     """A sequence left idle past the 1 s timeout (+0.2 s grace) is freed: LIVE drops and its next step fails."""
-    model = "seq_stats_oldest"
+    model = SMALL
     assert await live_now(small_client, model, 20) == 0
     await infer_step(small_client, model, 21, np.ones(DIM), start=True, end=False)
     assert await live_now(small_client, model, 22) == 1
-    # The real timeout is the only clock the server has; it is short here by construction.
-    await asyncio.sleep(1.5)
-    assert await live_now(small_client, model, 23) == 0
+    # The real timeout is the only clock the server has (short here by construction): wait for the sweep it
+    # causes, seen in LIVE (each probe is a one-request sequence, and a model's execute is when it sweeps).
+    deadline = time.monotonic() + 60.0
+    while (live := await live_now(small_client, model, 23)) != 0:
+        assert time.monotonic() < deadline, f"LIVE still {live} 60 s after the 1 s idle timeout"
+        await asyncio.sleep(0.05)
     with pytest.raises(InferenceServerException, match="START"):
         await infer_step(small_client, model, 21, np.ones(DIM), start=False, end=True)
 
@@ -285,7 +302,7 @@ async def test_idle_sequence_is_swept(small_client: grpcclient.InferenceServerCl
 
 async def test_refusals_carry_stable_markers(small_client: grpcclient.InferenceServerClient) -> None:
     """Over unary gRPC the cap refusal starts with the capacity marker (UNAVAILABLE), the unknown one with its own."""
-    model = "seq_stats_oldest"
+    model = SMALL
     assert await live_now(small_client, model, 30) == 0
     for sid in (31, 32, 33):
         await infer_step(small_client, model, sid, np.ones(DIM), start=True, end=False)
@@ -361,11 +378,13 @@ async def test_missing_x_without_end_is_refused(client: grpcclient.InferenceServ
     assert (await end_only(client, model, sid)).count == 2
 
 
-async def test_direct_end_only_next_to_stepping_neighbours(client: grpcclient.InferenceServerClient) -> None:
+async def test_direct_end_only_next_to_stepping_neighbours(
+    client: grpcclient.InferenceServerClient, seed: Callable[[int], int]
+) -> None:
     """Direct strategy: END-only requests batched with other sequences' steps and dummy slots leave those exact."""
     model = "seq_stats_direct"
     ids = [3_100_000 + n for n in range(4)]
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(seed(11))
     xs = rng.normal(size=(len(ids), 3, DIM))
     for k in range(2):
         await asyncio.gather(

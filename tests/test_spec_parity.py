@@ -149,7 +149,7 @@ def shapes_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTri
             + "instance_group [ { kind: KIND_CPU count: 1 } ]\n"
         )
         (repo / name / "1" / "model.py").write_text(MODEL_PY)
-    server = LocalTriton(repo)
+    server = LocalTriton(repo, stop_grace_s=0)  # a graceful stop costs seconds; test_local.py tests it
     with server:
         yield server
     assert server.processes() == []
