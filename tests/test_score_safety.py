@@ -532,3 +532,20 @@ def test_a_job_whose_rows_failed_exits_3_within_its_tolerance_0(triton_server: L
     base2 = ["--model", "score_probe", "--input", str(src2), "--output", str(out2), "--url", triton_server.grpc_url]
     assert cli([*base2, "--max-failed", "25%"]).returncode == 0
     assert cli([*base2, "--max-failed", "0.2"]).returncode == 3
+
+
+async def test_resuming_with_another_errors_file_never_cuts_it(triton_server: LocalTriton, tmp_path: Path) -> None:
+    """The checkpoint vouches for the errors file it was written with, not for whatever --errors names next."""
+    source = tmp_path / "rows.jsonl"
+    write_rows(source, 800, delay_ms=10.0, bad={3})
+    out = tmp_path / "out.jsonl"
+    await interrupted_job(triton_server, source, out)
+    unrelated = tmp_path / "notes.jsonl"
+    unrelated.write_text("someone's notes\n")
+    with pytest.raises(CheckpointMismatch, match="errors file"):
+        await run_score(triton_server, source, out, errors=unrelated, **SLOW)
+    assert unrelated.read_text() == "someone's notes\n"
+    done = await run_score(triton_server, source, out, **SLOW)  # the same paths as before: it resumes
+    assert done.resumed_from > 0
+    assert done.job_rows_failed == 1
+    assert scored(out) == [(i, 3.0 * i) for i in range(800) if i != 3]

@@ -124,7 +124,7 @@ class ResumableOutput:
             self.meta = {}
             # Before any file is made: from now on a checkpoint vouches for the files this job creates.
             self._write_state({"fingerprint": self.fingerprint, "rows": 0, "out_bytes": 0, "err_bytes": 0,
-                               "complete": False, "meta": {}})
+                               "complete": False, "meta": {}, "errors": self._errors_name()})
         else:
             saved = self.saved()
             assert saved is not None
@@ -138,8 +138,22 @@ class ResumableOutput:
         self._opened = True
         return self.rows_done
 
+    def _errors_name(self) -> str | None:
+        """The errors file as the checkpoint records it: relative to the checkpoint's folder (a moved job folder
+        still matches)."""
+        if self.errors_path is None:
+            return None
+        return os.path.relpath(os.path.abspath(self.errors_path), os.path.abspath(self.checkpoint_path.parent))
+
     def _checked_state(self) -> dict[str, Any] | None:
         state = self._read_checkpoint()
+        if state is not None and "errors" in state and state["errors"] != self._errors_name():
+            # Another errors file would be cut to the recorded size: it is not the file this checkpoint describes.
+            raise CheckpointMismatch(
+                f"{self.checkpoint_path} was written with the errors file {state['errors']!r} (relative to its "
+                f"folder), and this job names {self._errors_name()!r}: give the same errors path to resume, or pass "
+                "overwrite=True (--overwrite) to start over"
+            )
         if state is not None and state.get("fingerprint") != self.fingerprint:
             files = " and ".join(str(p) for p in (self.path, self.errors_path) if p is not None)
             raise CheckpointMismatch(
@@ -187,6 +201,7 @@ class ResumableOutput:
             "err_bytes": sizes[1],
             "complete": complete,
             "meta": saved_meta,
+            "errors": self._errors_name(),
         }
         self._write_state(state)
         self.rows_done = rows_done
