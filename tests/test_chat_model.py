@@ -2,16 +2,19 @@
 
 These check the server's promises with the project's demo weights: the KV cache is exact across turns,
 batched decoding equals decoding alone, a cancelled turn stops on the server and is rolled back, context
-overflow drops the oldest turns, a second concurrent turn is refused, and END and the idle sweep free the
-cache, as the model itself reports it (KV_BYTES, LIVE). The client's chat API is tested in test_chat_client.py.
+overflow drops the oldest turns, a second concurrent turn supersedes the first, and END and the idle sweep free
+the cache, as the model itself reports it (KV_BYTES, LIVE). Then isolation: with other conversations generating,
+one that cancels and closes (or goes on) at once, sends a tiny temperature or oversized inputs harms nobody; the
+history digest's three branches; eviction on ``chat_small``. The client's chat API is tested in
+test_chat_client.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
-import re
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -31,8 +34,11 @@ from triton_npu_client import (
     SequenceIdleWarning,
     SequenceLost,
     SequenceSession,
+    TritonError,
 )
 from triton_npu_client._model import build_request
+from triton_npu_client.server._digest import EMPTY, history_digest
+from triton_npu_client.server._markers import INVALID_INPUT, SEQUENCE_UNKNOWN
 
 REPO = Path(__file__).resolve().parents[1] / "server_models"
 DEADLINE_S = 60.0  # a bound on waiting for an event, never a synchronisation delay
@@ -57,10 +63,15 @@ class Turn:
     dropped: int = 0
     live: int = 0
     kv_bytes: int = 0
+    digest: str = ""
     pieces: list[bytes] = field(default_factory=list)
 
+    @property
+    def text(self) -> str:
+        return self.reply.decode("utf-8", errors="replace")
 
-def inputs(*messages: tuple[str, str], **options: int | float | list[str]) -> dict[str, np.ndarray]:
+
+def inputs(*messages: tuple[str, str], **options: int | float | str | list[str] | list[bytes]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     if messages:
         out["ROLE"] = np.array([r.encode() for r, _ in messages], dtype=np.object_)
@@ -69,7 +80,10 @@ def inputs(*messages: tuple[str, str], **options: int | float | list[str]) -> di
         key = name.upper()
         if key == "STOP":
             assert isinstance(value, list)
-            out[key] = np.array([s.encode() for s in value], dtype=np.object_)
+            out[key] = np.array([s.encode() if isinstance(s, str) else s for s in value], dtype=np.object_)
+        elif key == "DIGEST":
+            assert isinstance(value, str)
+            out[key] = np.array([value.encode()], dtype=np.object_)
         elif key in ("TEMPERATURE", "TOP_P"):
             out[key] = np.array([value], np.float32)
         elif key == "SEED":
@@ -91,6 +105,8 @@ def record(turn: Turn, result: object) -> None:
     for name, attr in [("TOKENS", "tokens"), ("PROMPT_TOKENS", "prompt"), ("CONTEXT_TOKENS", "context"),
                        ("DROPPED", "dropped"), ("LIVE", "live"), ("KV_BYTES", "kv_bytes")]:
         setattr(turn, attr, int(r[name][0, 0]))  # type: ignore[index]
+    if "DIGEST" in r.outputs:  # type: ignore[attr-defined]
+        turn.digest = bytes(r["DIGEST"][0, 0]).decode()  # type: ignore[index]
 
 
 async def turn(seq: SequenceSession, *messages: tuple[str, str], end: bool = False, **options: object) -> Turn:
@@ -229,37 +245,40 @@ async def test_context_overflow_drops_the_oldest_turns(chat: Model) -> None:
         assert (await turn(seq, ("user", "Thank you."), max_tokens=4)).tokens > 0
 
 
-async def test_a_second_concurrent_turn_is_refused_and_never_interleaved(chat: Model) -> None:
-    """A turn sent while the conversation's previous one streams is refused; the first goes on unchanged."""
+async def test_a_second_concurrent_turn_supersedes_the_first_and_never_interleaves(chat: Model) -> None:
+    """A turn sent while the conversation's previous one streams stops the first (rolled back, told it was
+    superseded) and runs as if the first had never been sent."""
     options = {"max_tokens": 400, "min_tokens": 400}
     async with chat.sequence() as seq:
         await turn(seq, ("system", SYSTEM), ("user", QUESTIONS[0]), max_tokens=8)
         first = Turn()
-        refused: BaseException | None = None
-        async with contextlib.aclosing(seq.stream(inputs(("user", QUESTIONS[1]), **options))) as responses:
-            async for result in responses:
-                record(first, result)
-                if first.responses == 1:
-                    # Straight through the caller, on the same sequence id, without START: what a second client
-                    # holding this id (or a buggy one) would send.
-                    second = chat.caller.call(
-                        build_request(chat.spec, inputs(("user", QUESTIONS[2]), max_tokens=4), None),
-                        timeout_s=60, route="own", many=True, sequence_id=seq.sequence_id,
-                    )
-                    try:
-                        async for _ in second:
-                            pass
-                    except SequenceBusyError as err:
-                        refused = err
-                    finally:
-                        await second.aclose()
-        assert isinstance(refused, SequenceBusyError), refused
-        assert re.search(r"sequence \d+ is busy", str(refused))
-        assert (first.finish, first.tokens) == ("length", 400)
+        superseded: BaseException | None = None
+        second = Turn()
+        try:
+            async with contextlib.aclosing(seq.stream(inputs(("user", QUESTIONS[1]), **options))) as responses:
+                async for result in responses:
+                    record(first, result)
+                    if first.responses == 1:
+                        # Straight through the caller, on the same sequence id, without START: what a second client
+                        # holding this id (or a buggy one) would send.
+                        call = chat.caller.call(
+                            build_request(chat.spec, inputs(("user", QUESTIONS[2]), max_tokens=16), None),
+                            timeout_s=60, route="own", many=True, sequence_id=seq.sequence_id,
+                        )
+                        async with contextlib.aclosing(call):
+                            async for result2 in call:
+                                record(second, result2)
+        except SequenceBusyError as err:
+            superseded = err
+        assert isinstance(superseded, SequenceBusyError), superseded
+        assert "superseded" in str(superseded)
+        assert first.finish == ""  # it never finished
+        assert second.finish in ("stop", "length")
     async with chat.sequence() as ref:
         await turn(ref, ("system", SYSTEM), ("user", QUESTIONS[0]), max_tokens=8)
-        want = await turn(ref, ("user", QUESTIONS[1]), **options)
-    assert first.reply == want.reply
+        want = await turn(ref, ("user", QUESTIONS[2]), max_tokens=16)
+    assert second.reply == want.reply
+    assert second.context == want.context
 
 
 async def test_end_frees_the_conversations_cache(chat: Model) -> None:
@@ -310,3 +329,289 @@ async def test_the_idle_sweep_frees_the_cache(tmp_path: Path) -> None:
             with pytest.raises(SequenceCapacityError, match=r"cap of 2 live sequences \(parameters max_sequences=2 and "
                                r"max_cache_mb=1024"):
                 await turn(third, ("user", QUESTIONS[0]), max_tokens=2)
+
+
+# --- isolation: one conversation never harms another ---------------------------------------------------------
+
+_ids = itertools.count(int(time.time() * 1000) % 10**9 * 1000 + 1)  # sequence ids unique in the server's life
+
+
+class Raw:
+    """One conversation driven straight through the caller: every request exactly as the test says."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.id = next(_ids)
+
+    def call(
+        self, *messages: tuple[str, str], start: bool = False, end: bool = False, **options: object
+    ) -> AsyncIterator[object]:
+        return self.model.caller.call(  # type: ignore[return-value]
+            build_request(self.model.spec, inputs(*messages, **options), None),  # type: ignore[arg-type]
+            timeout_s=120, route="own", many=True, sequence_id=self.id, sequence_start=start, sequence_end=end,
+        )
+
+    async def turn(self, *messages: tuple[str, str], start: bool = False, end: bool = False, **options: object) -> Turn:
+        out = Turn()
+        async with contextlib.aclosing(self.call(*messages, start=start, end=end, **options)) as responses:
+            async for result in responses:
+                record(out, result)
+        return out
+
+    async def close(self) -> Turn:
+        return await self.turn(end=True)
+
+
+OTHER_NAMES = ["Emma", "Harriet", "Jane", "Frank", "Anne", "Fanny"]
+OTHER_TOKENS = 300  # long enough that the others are still generating while a test does its hostile thing
+
+
+def other_messages(name: str) -> list[tuple[str, str]]:
+    return [("system", f"You are {name}, a guest at the house."), ("user", "Tell me about your morning walk.")]
+
+
+async def stateless(twin: Model, messages: list[tuple[str, str]], **options: object) -> Turn:
+    """The reply a solo conversation of ``messages`` gets: chat_stateless keeps nothing and shares no batch state."""
+    out = Turn()
+    async for result in twin.stream(inputs(*messages, **options)):  # type: ignore[arg-type]
+        record(out, result)
+    return out
+
+
+class Others:
+    """Six conversations generating greedy turns (START and END on one request) while a test acts on its own."""
+
+    def __init__(self, chat: Model) -> None:
+        self.chat = chat
+        self.first_piece = [asyncio.Event() for _ in OTHER_NAMES]
+        self.tasks: list[asyncio.Task[Turn]] = []
+
+    async def _one(self, i: int, name: str) -> Turn:
+        out = Turn()
+        raw = Raw(self.chat)
+        call = raw.call(*other_messages(name), start=True, end=True, max_tokens=OTHER_TOKENS,
+                        min_tokens=OTHER_TOKENS)
+        async with contextlib.aclosing(call) as responses:
+            async for result in responses:
+                record(out, result)
+                self.first_piece[i].set()
+        return out
+
+    async def __aenter__(self) -> Others:
+        self.tasks = [asyncio.create_task(self._one(i, n)) for i, n in enumerate(OTHER_NAMES)]
+        # All generating before the test acts (a task that failed at once is reported by finish()).
+        waits = [asyncio.ensure_future(e.wait()) for e in self.first_piece]
+        await asyncio.wait([*waits], timeout=DEADLINE_S)
+        for w in waits:
+            w.cancel()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def finish(self, twin: Model) -> None:
+        """Every other conversation finished with exactly its solo reply."""
+        got = await asyncio.gather(*self.tasks)
+        for name, out in zip(OTHER_NAMES, got, strict=True):
+            want = await stateless(twin, other_messages(name), max_tokens=OTHER_TOKENS, min_tokens=OTHER_TOKENS)
+            assert (out.finish, out.tokens) == ("length", OTHER_TOKENS), name
+            assert out.reply == want.reply, f"{name}'s reply differs from its solo reply"
+
+
+@pytest.fixture
+async def models(triton_server: LocalTriton) -> AsyncIterator[tuple[Model, Model]]:
+    async with Client(triton_server.grpc_url, timeout_s=120) as client:
+        yield await client.model("chat"), await client.model("chat_stateless")
+
+
+async def drain(call: AsyncIterator[object], out: Turn) -> None:
+    async for result in call:
+        record(out, result)
+
+
+async def read_pieces(call: AsyncIterator[object], n: int) -> Turn:
+    out = Turn()
+    async for result in call:
+        record(out, result)
+        if out.responses == n:
+            break
+    return out
+
+
+async def test_cancel_then_close_at_once_harms_nobody_and_frees_the_slot(models: tuple[Model, Model]) -> None:
+    """What `async with` does on Ctrl-C: cancel the streaming turn and send END at once, six others generating.
+
+    Today's main: the END freed the slot while the cancelled turn was still in the batch, and every other
+    conversation's turn failed (KeyError). Now the END retires the turn, answers "closed", and LIVE and KV_BYTES
+    return to the baseline.
+    """
+    chat, twin = models
+    base = await probe(chat)
+    victim = Raw(chat)
+    await victim.turn(("system", SYSTEM), ("user", QUESTIONS[0]), start=True, max_tokens=8)
+    async with Others(chat) as others:
+        call = victim.call(("user", QUESTIONS[1]), max_tokens=1000, min_tokens=1000)
+        await read_pieces(call, 3)
+        await call.aclose()  # type: ignore[attr-defined]
+        closed = await victim.close()
+        await others.finish(twin)
+    assert closed.finish == "closed"
+    after = await probe(chat)
+    assert (after.live, after.kv_bytes) == (base.live, base.kv_bytes)
+
+
+async def test_close_while_a_turn_streams_is_never_refused(models: tuple[Model, Model]) -> None:
+    """An END-only request while the turn streams (not cancelled): the turn stops (superseded), the slot is freed."""
+    chat, _ = models
+    base = await probe(chat)
+    victim = Raw(chat)
+    await victim.turn(("user", QUESTIONS[0]), start=True, max_tokens=8)
+    call = victim.call(("user", QUESTIONS[1]), max_tokens=1000, min_tokens=1000)
+    streamed = await read_pieces(call, 2)
+    closed = await victim.close()
+    with pytest.raises(SequenceBusyError, match="superseded"):
+        await drain(call, streamed)
+    assert streamed.finish == ""
+    assert closed.finish == "closed"
+    after = await probe(chat)
+    assert (after.live, after.kv_bytes) == (base.live, base.kv_bytes)
+
+
+async def test_cancel_then_next_turn_at_once_harms_nobody(models: tuple[Model, Model]) -> None:
+    """Cancel a turn and send the next at once, six others generating: the next turn's reply is that of a
+    conversation that never had the cancelled turn; the others get their solo replies."""
+    chat, twin = models
+    victim = Raw(chat)
+    first = await victim.turn(("system", SYSTEM), ("user", QUESTIONS[0]), start=True, max_tokens=8)
+    async with Others(chat) as others:
+        call = victim.call(("user", QUESTIONS[1]), max_tokens=1000, min_tokens=1000)
+        await read_pieces(call, 3)
+        await call.aclose()  # type: ignore[attr-defined]
+        after = await victim.turn(("user", QUESTIONS[2]), max_tokens=16)
+        await others.finish(twin)
+    await victim.close()
+    want = await stateless(
+        twin, [("system", SYSTEM), ("user", QUESTIONS[0]), ("assistant", first.text), ("user", QUESTIONS[2])],
+        max_tokens=16,
+    )
+    assert after.reply == want.reply
+
+
+async def test_a_tiny_temperature_is_greedy_and_harms_nobody(models: tuple[Model, Model]) -> None:
+    """TEMPERATURE 1e-39 is a legal positive float: today's main made the logits inf, multinomial raised and every
+    turn in the batch failed. Below the 1e-5 floor it is greedy."""
+    chat, twin = models
+    async with Others(chat) as others:
+        tiny = await Raw(chat).turn(("user", QUESTIONS[0]), start=True, end=True, max_tokens=24,
+                                    temperature=1e-39)
+        await others.finish(twin)
+    greedy = await stateless(twin, [("user", QUESTIONS[0])], max_tokens=24)
+    assert tiny.reply == greedy.reply
+
+
+@pytest.mark.parametrize(
+    ("hostile", "needle"),
+    [
+        ({"text": "x" * 10_000_000}, "TEXT[0] has 10000000 bytes; at most 65536"),
+        ({"stop": ["s" * 10_000] * 200}, "STOP has 200 strings; at most 16"),
+        ({"stop": ["s" * 10_000]}, "STOP[0] has 10000 bytes; at most 256"),
+        ({"temperature": float("nan")}, "TEMPERATURE must be a finite number >= 0, got nan"),
+        ({"top_p": float("inf")}, "TOP_P must be in (0, 1], got inf"),
+        ({"max_tokens": -5}, "MAX_TOKENS must be >= 1, got -5"),
+    ],
+)
+async def test_hostile_inputs_are_refused_as_invalid_input_and_harm_nobody(
+    models: tuple[Model, Model], hostile: dict[str, object], needle: str
+) -> None:
+    """Each refused when the request is read, with the INVALID_INPUT marker; the others never notice."""
+    chat, twin = models
+    text = str(hostile.pop("text", QUESTIONS[0]))
+    async with Others(chat) as others:
+        with pytest.raises(InvalidArgumentError) as caught:
+            await Raw(chat).turn(("user", text), start=True, end=True, **hostile)
+        await others.finish(twin)
+    assert INVALID_INPUT in str(caught.value)
+    assert needle in str(caught.value)
+
+
+async def test_the_history_digest_detects_and_repairs_the_one_window(models: tuple[Model, Model]) -> None:
+    """DIGEST: equal proceeds; the digest before the last turn undoes it (the client never saw it end); any
+    other is refused as an unknown sequence. chat_stateless answers the digest of its one turn."""
+    chat, twin = models
+    conv = Raw(chat)
+    messages = [("system", SYSTEM), ("user", QUESTIONS[0])]
+    one = await conv.turn(*messages, start=True, max_tokens=12)
+    d1 = history_digest(EMPTY, messages, one.text)
+    assert one.digest == d1
+    two = await conv.turn(("user", QUESTIONS[1]), max_tokens=12, digest=d1)
+    d2 = history_digest(d1, [("user", QUESTIONS[1])], two.text)
+    assert two.digest == d2
+    # The server finished turn two but the client never saw its end: it still holds d1.
+    three = await conv.turn(("user", QUESTIONS[2]), max_tokens=12, digest=d1)
+    want = await stateless(twin, [*messages, ("assistant", one.text), ("user", QUESTIONS[2])], max_tokens=12)
+    assert three.reply == want.reply
+    assert three.digest == history_digest(d1, [("user", QUESTIONS[2])], three.text)
+    # d2 is a history the server no longer holds (and "0" * 32 one it never held): refused, the sequence unknown.
+    for stale in (d2, "0" * 32):
+        with pytest.raises(TritonError) as caught:
+            await conv.turn(("user", "Hello?"), max_tokens=4, digest=stale)
+        assert SEQUENCE_UNKNOWN in str(caught.value)
+        assert "history differs" in str(caught.value)
+    # Refused, not dropped: the conversation goes on from where both sides agree, and a close reports its digest.
+    four = await conv.turn(("user", "Hello?"), max_tokens=4, digest=three.digest)
+    closed = await conv.close()
+    assert closed.digest == four.digest == history_digest(three.digest, [("user", "Hello?")], four.text)
+    # A turn without DIGEST is not checked (older clients); the stateless twin's digest is its one turn's.
+    assert want.digest == history_digest(
+        EMPTY, [*messages, ("assistant", one.text), ("user", QUESTIONS[2])], want.text
+    )
+
+
+async def test_eviction_on_chat_small_gives_a_new_conversation_the_longest_idle_slot(
+    triton_server: LocalTriton,
+) -> None:
+    """chat_small holds 2 conversations and evicts at once: a client holding both slots without ever ending them
+    no longer blocks a new conversation; the evicted one's next turn is SequenceLost; a generating one is never
+    evicted, and when both generate a START is refused with the cap."""
+    async with Client(triton_server.grpc_url, timeout_s=120) as client:
+        small = await client.model("chat_small")
+        per = PER_POSITION
+        hog_a, hog_b = Raw(small), Raw(small)
+        a = await hog_a.turn(("user", QUESTIONS[0]), start=True, max_tokens=6)
+        b = await hog_b.turn(("user", QUESTIONS[1]), start=True, max_tokens=6)
+        assert b.live == 2
+        # Never ended. A new conversation still gets a slot: the longest idle one's (a).
+        async with small.sequence() as newcomer:
+            c = await turn(newcomer, ("user", QUESTIONS[2]), max_tokens=6)
+            assert c.live == 2
+            assert c.kv_bytes == (c.context + b.context) * per  # exactly b's and c's positions
+            with pytest.raises(TritonError) as caught:
+                await hog_a.turn(("user", "Are you there?"), max_tokens=4)
+            assert SEQUENCE_UNKNOWN in str(caught.value)
+            assert "evicted" in str(caught.value)
+            # b generates a long turn; c idles: the next START takes c's slot, never b's (seen before c).
+            long_b = hog_b.call(("user", "Go on."), max_tokens=400, min_tokens=400)
+            b_long = await read_pieces(long_b, 1)
+            d_conv = Raw(small)
+            d = await d_conv.turn(("user", "Good day."), start=True, max_tokens=8)
+            assert d.finish in ("stop", "length")
+            with pytest.raises(SequenceLost):
+                await turn(newcomer, ("user", "Still there?"), max_tokens=4)
+            await drain(long_b, b_long)
+            assert (b_long.finish, b_long.tokens) == ("length", 400)
+        # Both remaining slots generating: a START is refused with the cap, nobody evicted.
+        long_b2 = hog_b.call(("user", "More."), max_tokens=1000, min_tokens=1000)
+        long_d = d_conv.call(("user", "More."), max_tokens=1000, min_tokens=1000)
+        await read_pieces(long_b2, 1)
+        await read_pieces(long_d, 1)
+        with pytest.raises(SequenceCapacityError, match="cap of 2"):
+            await Raw(small).turn(("user", "Hi."), start=True, end=True, max_tokens=2)
+        await long_b2.aclose()  # type: ignore[attr-defined]
+        await long_d.aclose()  # type: ignore[attr-defined]
+        for conv in (hog_a, hog_b, d_conv):
+            assert (await conv.close()).finish == "closed"  # an END is never refused, not even for an evicted one
+        alone = await Raw(small).turn(("user", "Hi."), start=True, end=True, max_tokens=2)
+        assert (alone.live, alone.kv_bytes) == (1, alone.context * per)
+        assert a.tokens > 0

@@ -10,7 +10,17 @@ relative to the model's folder; default ``demo_gpt2``), ``max_ctx`` (positions p
 the model's n_positions), ``max_sequences`` and ``max_cache_mb`` (the two caps on live conversations: the
 cache is preallocated for the smaller), ``default_max_tokens``, ``device`` / ``device_ids`` (see
 ``_device``), ``cpu_threads`` (torch threads on a CPU instance), ``sweep_grace_us``, ``stream_interval_ms`` (0: a
-response per token; above, a turn's pieces in mid-reply are merged into at most one response per interval).
+response per token; above, a turn's pieces in mid-reply are merged into at most one response per interval),
+``evict_min_idle_ms`` (at the cap, a START takes the slot of the conversation idle longest if it has idled at
+least this long; default 60000; negative: never evict), and the input caps of :class:`~._chat.InputLimits`:
+``max_messages`` (512), ``max_message_bytes`` (65536), ``max_request_bytes`` (262144), ``max_stops`` (16),
+``max_stop_bytes`` (256).
+
+Every refusal of a request's own input (a bad option, an input over a cap, a malformed turn) begins with the
+``INVALID_INPUT`` marker and is sent with ``INVALID_ARG``; it is found in ``execute`` (or in admission, for a turn
+that cannot fit the context), never by failing a decode step. A turn for a conversation that is already
+streaming one supersedes it: the old turn is stopped and rolled back (an END-only close included), see
+``_generate``.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ._chat import ChatEngine, ChatResponse, ChatTokenizer, RefusalKind, kv_bytes_per_position
+from ._chat import ChatEngine, ChatResponse, ChatTokenizer, InputLimits, RefusalKind, kv_bytes_per_position
 from ._config import SequenceBatching, model_parameter, parse_model_config
 from ._controls import CorrelationId, read_controls
 from ._device import (
@@ -36,6 +46,7 @@ from ._device import (
 )
 from ._generate import StepLoop
 from ._gpt2 import KVCache, load_gpt2
+from ._markers import INVALID_INPUT
 from ._state import SequenceSlots
 
 __all__ = ["ChatModel"]
@@ -88,7 +99,23 @@ class ChatModel:
         # Stateless: every request starts and ends its conversation, so nothing ever idles.
         idle_s = self._batching.idle_timeout_s if self._batching else 3600.0
         grace_us = int(param("sweep_grace_us", "500000"))
-        slots = SequenceSlots(capacity=capacity, idle_timeout_s=idle_s, grace_s=grace_us / 1e6, capacity_note=note)
+        evict_ms = float(param("evict_min_idle_ms", "60000"))
+        slots = SequenceSlots(
+            capacity=capacity,
+            idle_timeout_s=idle_s,
+            grace_s=grace_us / 1e6,
+            capacity_note=note,
+            # Stateless: every conversation is generating while it holds a slot; there is never one to evict.
+            evict_min_idle_s=evict_ms / 1000 if evict_ms >= 0 and self._batching is not None else None,
+        )
+        default = InputLimits()
+        limits = InputLimits(
+            max_messages=int(param("max_messages", str(default.max_messages))),
+            max_message_bytes=int(param("max_message_bytes", str(default.max_message_bytes))),
+            max_request_bytes=int(param("max_request_bytes", str(default.max_request_bytes))),
+            max_stops=int(param("max_stops", str(default.max_stops))),
+            max_stop_bytes=int(param("max_stop_bytes", str(default.max_stop_bytes))),
+        )
         cache = KVCache.allocate(model, slots=capacity, max_ctx=max_ctx)
         self.engine = ChatEngine(
             model,
@@ -99,6 +126,7 @@ class ChatModel:
             refuse=self._refuse,
             default_max_tokens=int(param("default_max_tokens", "64")),
             stream_interval_s=float(param("stream_interval_ms", "0")) / 1000,
+            limits=limits,
             # Device context is per thread: the loop's thread makes the instance's device current too.
             on_thread=lambda: _activate(choice, threads),
         )
@@ -110,6 +138,9 @@ class ChatModel:
             on_exit=self.engine.on_exit,
             final_flag=self._final,
             error_response=self._error,
+            # A turn sent while its conversation streams one (the client cancelled and went on, or closed) stops
+            # the old one: never refused as busy, never a grace wait on an execute thread.
+            overlap="supersede",
             name=args.get("model_instance_name", "chat"),
         )
         _log.info(
@@ -149,10 +180,11 @@ class ChatModel:
                     roles=self._strings(request, "ROLE"),
                     texts=self._strings(request, "TEXT"),
                     stop=self._strings(request, "STOP") or (),
+                    digest=self._scalar(request, "DIGEST"),
                     **options,
                 )
             except ValueError as err:
-                sender.send(self._error(f"invalid input: {err}", pb.TritonError.INVALID_ARG), flags=self._final)
+                sender.send(self._error(_invalid(str(err)), pb.TritonError.INVALID_ARG), flags=self._final)
                 continue
             refusal = self._loop.submit(key, sender, turn)
             if refusal is not None:
@@ -170,8 +202,8 @@ class ChatModel:
         errors = self._pb.TritonError
         if kind == "capacity":
             return self._error(message, errors.UNAVAILABLE)
-        # Over the gRPC stream an error is its text alone: saying "input" is what marks it as the request's fault.
-        return self._error(message if kind == "unknown" else f"invalid input: {message}", errors.INVALID_ARG)
+        # Over the gRPC stream an error is its text alone: the marker is what says it is the request's fault.
+        return self._error(message if kind == "unknown" else _invalid(message), errors.INVALID_ARG)
 
     def _respond(self, r: ChatResponse) -> Any:
         pb = self._pb
@@ -193,6 +225,7 @@ class ChatModel:
                 one("DROPPED", r.dropped, np.int32),
                 one("LIVE", r.live, np.int32),
                 one("KV_BYTES", r.kv_bytes, np.int64),
+                one("DIGEST", r.digest.encode(), np.object_),
             ]
         )
 
@@ -207,7 +240,12 @@ class ChatModel:
         flat = tensor.as_numpy().reshape(-1)
         if flat.size != 1:
             raise ValueError(f"input {name!r} must hold one value, got {flat.size}")
-        return flat[0].item()
+        value = flat[0]
+        return value if isinstance(value, bytes) else value.item()
+
+
+def _invalid(message: str) -> str:
+    return f"{INVALID_INPUT} invalid input: {message}"
 
 
 def _activate(choice: Any, threads: int) -> None:
