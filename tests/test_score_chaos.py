@@ -213,7 +213,7 @@ def one_run(seed: int, server: ChaosServer, folder: Path) -> collections.Counter
         try:
             # A random moment: the job barely started, or its checkpoint has passed a random row. The server dies
             # only mid-job (after this run committed a row): a job that cannot reach its server at the start
-            # fails at once (exit 19), by design, so that a wrong --url does not hang.
+            # fails at once (exit 20), by design, so that a wrong --url does not hang.
             start = committed_rows(output)
             if step == "kill job":
                 target = 0 if rng.random() < 0.15 else rng.randint(start, start + (total - start) * 4 // 5)

@@ -353,7 +353,7 @@ def test_the_tripwire_fires_when_the_cli_starts_a_server(
     done = cli(["--model", "score_probe", "--input", str(source), "--output", str(source.with_name("o.jsonl")),
                 "--startup-timeout", "60"], env)
     assert marker.exists(), done.stderr
-    assert done.returncode == 19, done.stderr  # an embedded server that failed to start
+    assert done.returncode == 20, done.stderr  # an embedded server that failed to start
     assert "Traceback" not in done.stderr
 
 
@@ -408,6 +408,9 @@ def make_mistake(case: str, tmp: Path) -> tuple[list[str], int, str]:
         writer.abandon()
         out.unlink()
         return base, 17, "start over"
+    if case == "output folder missing":
+        return ["--model", "score_probe", "--input", str(src), "--output", str(tmp / "no" / "out.jsonl")], 19, \
+            "does not exist"
     if case == "unknown packaged model":
         return ["--model", "no_such_model", "--input", str(src), "--output", str(out)], 18, "no_such_model"
     numbers = {
@@ -429,7 +432,8 @@ def make_mistake(case: str, tmp: Path) -> tuple[list[str], int, str]:
 MISTAKES = [
     "missing input", "input is a directory", "csv without header", "unknown input suffix", "unknown output suffix",
     "output is the input", "output links to the input", "errors is the output", "existing output", "symlinked output",
-    "checkpoint of another job", "checkpoint disagrees with its files", "unknown packaged model", "concurrency 0",
+    "checkpoint of another job", "checkpoint disagrees with its files", "output folder missing",
+    "unknown packaged model", "concurrency 0",
     "batch size not a number", "commit every nan", "max failed negative", "max failed over 100%", "max line bytes 0",
     "missing --output",
 ]

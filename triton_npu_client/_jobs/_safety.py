@@ -33,6 +33,7 @@ __all__ = [
     "InputFileNotFound",
     "JobPathError",
     "OutputExistsError",
+    "OutputFolderError",
     "ResumeNotConfirmed",
     "SameFileError",
     "UnknownFormatError",
@@ -81,6 +82,10 @@ class SameFileError(JobPathError):
 class OutputExistsError(JobPathError, FileExistsError):
     """An output, errors or checkpoint path holds something the job did not write (a file without this job's
     checkpoint, a symlink, a directory): refused unless ``overwrite=True`` (``--overwrite``)."""
+
+
+class OutputFolderError(JobPathError):
+    """The folder of an output, errors or checkpoint path does not exist, or the job may not write in it."""
 
 
 class ResumeNotConfirmed(JobPathError):
@@ -208,7 +213,17 @@ def check_job_paths(
                     "its own path",
                     path=b.path, role=b.role, other_role=a.role,
                 )
-    # 3. Symlinks: never written through.
+    # 3. Folders the job can write in; symlinks never written through.
+    for f in found:
+        folder = f.path.absolute().parent
+        if not folder.is_dir():
+            raise OutputFolderError(
+                f"the folder of the {_flag(f.role)} {f.path} does not exist: create it first", path=f.path, role=f.role
+            )
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise OutputFolderError(
+                f"the folder of the {_flag(f.role)} {f.path} is not writable", path=f.path, role=f.role
+            )
     for f in (*found, *found_extra):
         if f.link:
             if not overwrite:

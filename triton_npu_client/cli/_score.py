@@ -36,7 +36,8 @@ EXIT_OUTPUT_EXISTS = 15
 EXIT_CHECKPOINT_OTHER_JOB = 16
 EXIT_CHECKPOINT_FILES = 17
 EXIT_MODEL_NOT_FOUND = 18
-EXIT_ERROR = 19  # any other error the SDK raised on purpose (a server error, a local server that failed to start)
+EXIT_OUTPUT_FOLDER = 19
+EXIT_ERROR = 20  # any other error the SDK raised on purpose (a server error, a local server that failed to start)
 EXIT_INTERRUPTED = 130
 
 EXIT_CODES: dict[int, str] = {
@@ -56,6 +57,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_CHECKPOINT_FILES: "the checkpoint disagrees with its files (the output missing or cut short): restore them, "
                            "or delete the checkpoint (or --overwrite) to start over",
     EXIT_MODEL_NOT_FOUND: "no such model (among the packaged models, or on --url)",
+    EXIT_OUTPUT_FOLDER: "the folder of an output, errors or checkpoint path does not exist, or is not writable",
     EXIT_ERROR: "another error (a server error, an embedded server that failed to start, no server at --url)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C): re-run the same command to resume",
 }
@@ -210,6 +212,7 @@ def _exit_code(err: TritonError) -> int:
         InputFileError,
         InputFileNotFound,
         OutputExistsError,
+        OutputFolderError,
         SameFileError,
         UnknownFormatError,
     )
@@ -220,6 +223,7 @@ def _exit_code(err: TritonError) -> int:
         (UnknownFormatError, lambda e: EXIT_INPUT_FORMAT if getattr(e, "role", "") == "input" else EXIT_OUTPUT_FORMAT),
         (SameFileError, EXIT_SAME_FILE),
         (OutputExistsError, EXIT_OUTPUT_EXISTS),
+        (OutputFolderError, EXIT_OUTPUT_FOLDER),
         (CheckpointFilesMismatch, EXIT_CHECKPOINT_FILES),
         (CheckpointMismatch, EXIT_CHECKPOINT_OTHER_JOB),
         (ModelNotFoundError, EXIT_MODEL_NOT_FOUND),
