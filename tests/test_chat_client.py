@@ -19,6 +19,7 @@ import pytest
 
 from triton_npu_client import (
     ChatBusyError,
+    ChatHistoryMismatch,
     ChatMessage,
     ChatMessageError,
     ChatOptionError,
@@ -26,12 +27,17 @@ from triton_npu_client import (
     ChatReply,
     ChatSession,
     Client,
+    InternalServerError,
     LocalTriton,
+    RequestTimeout,
+    SequenceClosedError,
     SequenceLost,
     SequenceUsageError,
     UsageError,
 )
+from triton_npu_client._sessions import _chat as chat_module
 from triton_npu_client._sessions._chat import PieceDecoder, as_messages
+from triton_npu_client.server._digest import EMPTY, history_digest
 
 MODEL = "chat"
 SYSTEM = "You are a helpful assistant."
@@ -507,3 +513,281 @@ async def test_a_lost_conversation_raises_sequence_lost(client: Client) -> None:
     async with client.chat(MODEL, history=history, max_tokens=6) as again:
         assert (await again.ask("Are you there?")).tokens > 0
         assert again.turns == 1
+
+
+# --- timeouts, closing mid-turn, the history digest, replay on loss ---------------------------------
+
+
+async def live(client: Client) -> int:
+    """Conversations the chat model holds, counting the probe that asks (a one-token turn of its own)."""
+    model = await client.model(MODEL)
+    async with model.sequence() as probe:
+        inputs = {"ROLE": np.array(["user"], object), "TEXT": np.array([b"hi"], object), "MAX_TOKENS": [1]}
+        results = [r async for r in probe.stream(inputs)]
+    return int(results[-1]["LIVE"].reshape(-1)[0])
+
+
+async def solo_replay(client: Client, messages: tuple[ChatMessage, ...], **options: int) -> tuple[str, int]:
+    """The reply and context size chat_stateless gives to ``messages`` sent at once (greedy)."""
+    model = await client.model("chat_stateless")
+    inputs: dict[str, Any] = {
+        "ROLE": np.array([m.role.encode() for m in messages], dtype=object),
+        "TEXT": np.array([m.text.encode() for m in messages], dtype=object),
+        **{name.upper(): np.array([value], np.int32) for name, value in options.items()},
+    }
+    reply = b""
+    context = -1
+    async for r in model.stream(**inputs):
+        reply += bytes(r["PIECE"].reshape(-1)[0])
+        if "CONTEXT_TOKENS" in r.outputs:
+            context = int(r["CONTEXT_TOKENS"].reshape(-1)[0])
+    return reply.decode("utf-8", "replace"), context
+
+
+# Far more tokens than LONG_TIMEOUT_S allows on any machine this runs on (1200 tokens take seconds; the deadline
+# is a fraction of a second), and a short enough prompt that they fit in the context.
+LONG = {"max_tokens": 1200, "min_tokens": 1200}
+SHORT_TIMEOUT_S = 0.2
+
+
+async def test_a_turn_that_times_out_is_rolled_back_and_the_chat_goes_on(client: Client) -> None:
+    """A turn past its timeout raises RequestTimeout (a TimeoutError); the chat is not lost, the turn is in
+    neither side's history, and the next turn's reply is the one a chat that never had it gives."""
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as chat:
+        await chat.ask("Good morning.")
+        before = chat.messages
+        with pytest.raises(RequestTimeout) as info:
+            async for _ in chat.send("Tell me a very long story.", timeout_s=SHORT_TIMEOUT_S, **LONG):
+                pass
+        assert isinstance(info.value, TimeoutError)
+        assert not chat.is_lost
+        assert chat.is_open
+        assert not chat.is_streaming
+        assert (chat.messages, chat.turns) == (before, 1)
+        # A second one, through ask(), then the conversation goes on.
+        with pytest.raises(RequestTimeout):
+            await chat.ask("Tell me another very long story.", timeout_s=SHORT_TIMEOUT_S, **LONG)
+        after = await chat.ask("What is your name?")
+        assert chat.messages == (
+            *before, ChatMessage("user", "What is your name?"), ChatMessage("assistant", after.text)
+        )
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as clean:
+        await clean.ask("Good morning.")
+        expected = await clean.ask("What is your name?")
+    assert (after.text, after.context_tokens) == (expected.text, expected.context_tokens)
+
+
+async def test_a_first_turn_that_times_out_leaves_the_chat_usable(client: Client) -> None:
+    """Even the first turn (which carries the system message and START): the next turn sends them again."""
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as chat:
+        with pytest.raises(RequestTimeout):
+            await chat.ask("Tell me a very long story.", timeout_s=SHORT_TIMEOUT_S, **LONG)
+        assert (chat.messages, chat.turns, chat.is_lost) == ((ChatMessage("system", SYSTEM),), 0, False)
+        reply = await chat.ask("What is your name?")
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as clean:
+        expected = await clean.ask("What is your name?")
+    assert (reply.text, reply.context_tokens) == (expected.text, expected.context_tokens)
+
+
+async def test_a_plain_sequence_step_that_times_out_still_loses_the_sequence(client: Client) -> None:
+    """Only a step sent as rolled back (a chat turn) survives its timeout: on a plain decoupled sequence model,
+    whose steps keep what they computed, a timed-out stream step leaves the state unknown, as before."""
+    model = await client.model("seq_count_stream")
+    async with model.sequence() as seq:
+        assert [int(r["VALUE"].reshape(-1)[0]) async for r in seq.stream(N=[1])] == [1]
+        with pytest.raises(RequestTimeout):
+            async for _ in seq.stream(N=[3], DELAY_MS=[5000], timeout_s=SHORT_TIMEOUT_S):
+                pass
+        assert seq.is_lost
+        with pytest.raises(SequenceLost):
+            await seq.infer(N=[1])
+
+
+async def test_a_turn_left_streaming_is_cancelled_when_the_chat_closes(client: Client) -> None:
+    """A turn whose loop was left without closing it (the generator still holds the turn) does not keep the
+    conversation: closing the chat cancels the turn and sends END at once, and the server frees the slot."""
+    baseline = await live(client)
+    async with client.chat(MODEL, system=SYSTEM) as chat:
+        pieces = chat.send("Tell me a very long story.", **LONG)
+        await anext(pieces)  # streaming; then abandoned
+        assert chat.is_streaming
+    assert await live(client) == baseline
+    with pytest.raises(SequenceClosedError, match="closed while this step streamed"):
+        await anext(pieces)  # the turn was cancelled under it
+    await pieces.aclose()
+    with pytest.raises(SequenceClosedError, match="is closed"):
+        chat.send("Are you there?")
+
+
+async def test_cancelling_a_turn_then_closing_at_once_frees_the_conversation(client: Client) -> None:
+    """What ``async with`` does on Ctrl-C: the reading task is cancelled and the chat closes at once. The END goes
+    out without waiting, and the server frees the conversation (LIVE is back to what it was)."""
+    baseline = await live(client)
+    chat = (await client.model(MODEL)).chat(system=SYSTEM)
+    streaming = asyncio.Event()
+
+    async def read() -> None:
+        async with chat:
+            async for _ in chat.send("Tell me a very long story.", **LONG):
+                streaming.set()
+
+    task = asyncio.create_task(read())
+    await streaming.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not chat.is_open
+    assert await live(client) == baseline
+
+
+async def test_closing_from_another_task_ends_the_turn_being_read(client: Client) -> None:
+    """chat.aclose() while another task reads a turn: the reader gets SequenceClosedError, the slot is freed."""
+    baseline = await live(client)
+    chat = (await client.model(MODEL)).chat(system=SYSTEM)
+    streaming = asyncio.Event()
+
+    async def read() -> None:
+        async for _ in chat.send("Tell me a very long story.", **LONG):
+            streaming.set()
+
+    task = asyncio.create_task(read())
+    await streaming.wait()
+    await chat.aclose()
+    with pytest.raises(SequenceClosedError, match="closed while this step streamed"):
+        await task
+    assert await live(client) == baseline
+
+
+async def test_the_reply_digest_is_the_shared_chain(client: Client) -> None:
+    """Each final response carries the history digest; the client's own chain, over the messages it sent and the
+    text it decoded, equals it turn after turn (else the turn would raise ChatHistoryMismatch)."""
+    model = await client.model(MODEL)
+    assert model.spec.input("DIGEST") is not None
+    assert model.spec.output("DIGEST") is not None
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=6) as chat:
+        digest = EMPTY
+        sent: list[tuple[str, str]] = [("system", SYSTEM)]
+        for question in ("Good morning.", "How are you?"):
+            reply = await chat.ask(question)
+            digest = history_digest(digest, [*sent, ("user", question)], reply.text)
+            sent = []
+            assert chat._digest == digest  # the value the next turn sends
+
+
+async def test_a_turn_the_server_finished_but_the_client_cancelled_is_rolled_back_on_both_sides(
+    client: Client,
+) -> None:
+    """The one window where the two sides could disagree: the server finished (and kept) a turn, but the client
+    cancelled it before reading its final response. The next turn carries the client's digest, the server rolls
+    that turn back, and the reply is what a solo replay of the client's recorded history gives on chat_stateless.
+
+    Deterministic: a two-token turn whose first piece has been read has exactly its final response left, which
+    the server sends in the pass after the first piece's; another conversation's one-token turn, sent after that
+    piece arrived, is answered in that pass or a later one. So once it is answered, the server has finished
+    ours, and we leave without reading the end.
+    """
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=8) as chat:
+        await chat.ask("Good morning.")
+        before = chat.messages
+        async with contextlib.aclosing(chat.send("Tell me a story.", max_tokens=2, min_tokens=2)) as pieces:
+            await anext(pieces)
+            assert chat.turns == 1  # the piece was not the last: the final response is still to come
+            async with client.chat(MODEL, max_tokens=1) as other:
+                await other.ask("Hi.")
+        assert (chat.turns, chat.messages) == (1, before)
+        after = await chat.ask("What is your name?")
+        history = chat.messages
+    assert history == (*before, ChatMessage("user", "What is your name?"), ChatMessage("assistant", after.text))
+    solo = await solo_replay(client, (*before, ChatMessage("user", "What is your name?")), max_tokens=8)
+    assert (after.text, after.context_tokens) == solo
+
+
+async def test_a_digest_the_server_disagrees_with_raises_and_the_next_turn_repairs(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should the digests ever differ, the turn raises ChatHistoryMismatch (an InternalServerError) and is not
+    kept; the next turn carries the digest the client holds, so the server drops that turn too."""
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=8) as chat:
+        await chat.ask("Good morning.")
+        before = chat.messages
+        with monkeypatch.context() as patched:
+            patched.setattr(chat_module, "history_digest", lambda *_: "a digest the server never made")
+            with pytest.raises(ChatHistoryMismatch, match="disagree") as info:
+                await chat.ask("Tell me a story.")
+        assert isinstance(info.value, InternalServerError)
+        assert info.value.expected == "a digest the server never made"
+        assert info.value.given not in ("", info.value.expected)
+        assert (chat.turns, chat.messages, chat.is_lost) == (1, before, False)
+        after = await chat.ask("What is your name?")
+    solo = await solo_replay(client, (*before, ChatMessage("user", "What is your name?")), max_tokens=8)
+    assert (after.text, after.context_tokens) == solo
+
+
+async def test_replay_on_loss_goes_on_with_the_same_tokens(client: Client) -> None:
+    """With replay_on_loss, a turn whose conversation the server lost replays the recorded messages into a fresh
+    sequence (a new id) as its first turn: the reply is the one the uninterrupted conversation gives."""
+    questions = ["Good morning.", "Where do you live?"]
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=10) as clean:
+        await replies(clean, questions)
+        expected = await clean.ask("Are you there?")
+        expected_next = await clean.ask("Goodbye.")
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=10, replay_on_loss=True) as chat:
+        await replies(chat, questions)
+        history, old_id = chat.messages, chat.sequence_id
+        model = await client.model(MODEL)
+        # Another session with the same id ends the conversation behind the chat's back (START+END, no inputs).
+        async with model.sequence(sequence_id=old_id) as intruder:
+            await intruder.end()
+        pieces = [p async for p in chat.send("Are you there?")]
+        reply = chat.last_reply
+        assert reply is not None
+        assert "".join(pieces) == reply.text
+        assert (reply.text, reply.context_tokens) == (expected.text, expected.context_tokens)
+        assert reply.replayed
+        assert reply.time_to_first_token_s is not None
+        assert 0 < reply.time_to_first_token_s <= reply.elapsed_s
+        assert (chat.replays, chat.turns, chat.is_lost, chat.is_open) == (1, 3, False, True)
+        assert chat.sequence_id != old_id
+        assert chat.messages == (*history, ChatMessage("user", "Are you there?"), ChatMessage("assistant", reply.text))
+        # The fresh conversation goes on as the old one would have.
+        after = await chat.ask("Goodbye.")
+        assert not after.replayed
+        assert (after.text, after.context_tokens) == (expected_next.text, expected_next.context_tokens)
+        assert chat.replays == 1
+
+
+async def test_replay_on_loss_survives_a_reload_of_the_model(client: Client, triton_server: LocalTriton) -> None:
+    """The server forgets every conversation when the model is reloaded (as on a restart); with replay_on_loss
+    the next turn replays the history, and its reply equals the solo replay on chat_stateless."""
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=10, replay_on_loss=True) as chat:
+        await chat.ask("Good morning.")
+        history = chat.messages
+        await client.unload_model(MODEL)
+        await client.load_model(MODEL)
+        reply = await chat.ask("Where do you live?")
+        assert (chat.replays, reply.replayed) == (1, True)
+    solo = await solo_replay(client, (*history, ChatMessage("user", "Where do you live?")), max_tokens=10)
+    assert (reply.text, reply.context_tokens) == solo
+
+
+async def test_without_replay_on_loss_a_loss_propagates_and_stays(client: Client) -> None:
+    """The default: SequenceLost propagates, nothing is replayed, and the chat stays lost."""
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=6) as chat:
+        await chat.ask("Hello.")
+        model = await client.model(MODEL)
+        async with model.sequence(sequence_id=chat.sequence_id) as intruder:
+            await intruder.end()
+        old_id = chat.sequence_id
+        with pytest.raises(SequenceLost):
+            await chat.ask("Are you there?")
+        assert (chat.replays, chat.sequence_id, chat.is_lost, chat.is_open) == (0, old_id, True, False)
+
+
+async def test_a_closed_chat_does_not_replay(client: Client) -> None:
+    """A closed chat refuses a turn at send(), even a lost one with replay_on_loss."""
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=6, replay_on_loss=True) as chat:
+        await chat.ask("Hello.")
+    assert not chat.is_open
+    with pytest.raises(SequenceClosedError):
+        chat.send("Are you there?")
+    assert chat.replays == 0

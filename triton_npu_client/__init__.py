@@ -86,6 +86,7 @@ if _typing.TYPE_CHECKING:
     )
     from ._sessions import (
         ChatBusyError,
+        ChatHistoryMismatch,
         ChatMessage,
         ChatMessageError,
         ChatOptionError,
@@ -130,6 +131,7 @@ _LAZY: dict[str, str] = {
     "SequenceSession": "._sessions",
     "open_sequence": "._sessions",
     "ChatBusyError": "._sessions",
+    "ChatHistoryMismatch": "._sessions",
     "ChatMessage": "._sessions",
     "ChatMessageError": "._sessions",
     "ChatOptionError": "._sessions",
@@ -168,6 +170,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "BatchSizeError",
     "ChatBusyError",
+    "ChatHistoryMismatch",
     "ChatMessage",
     "ChatMessageError",
     "ChatOptionError",

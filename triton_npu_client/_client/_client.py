@@ -487,6 +487,7 @@ class Client:
         stop: Sequence[str] | None = None,
         sequence_id: int | str | None = None,
         timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
+        replay_on_loss: bool = False,
     ) -> AsyncIterator[ChatSession]:
         """``async with client.chat(name, system=...) as chat:``: fetch the model (cached), open a chat on it.
 
@@ -505,5 +506,6 @@ class Client:
         async with model.chat(
             system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, sequence_id=sequence_id, timeout_s=timeout_s,
+            replay_on_loss=replay_on_loss,
         ) as chat:
             yield chat

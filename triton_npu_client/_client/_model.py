@@ -206,6 +206,7 @@ class Model:
         stop: Sequence[str] | None = None,
         sequence_id: int | str | None = None,
         timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
+        replay_on_loss: bool = False,
     ) -> ChatSession:
         """A chat on this chat model (decoupled, sequence batching; gRPC only): ``async with model.chat() as chat:``.
 
@@ -214,4 +215,5 @@ class Model:
         return open_chat(
             self, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, sequence_id=sequence_id, timeout_s=timeout_s,
+            replay_on_loss=replay_on_loss,
         )

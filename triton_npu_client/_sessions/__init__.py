@@ -2,6 +2,7 @@
 
 from ._chat import (
     ChatBusyError,
+    ChatHistoryMismatch,
     ChatMessage,
     ChatMessageError,
     ChatOptionError,
@@ -14,6 +15,7 @@ from ._sequence import SequenceIdleWarning, SequenceSession, new_sequence_id, op
 
 __all__ = [
     "ChatBusyError",
+    "ChatHistoryMismatch",
     "ChatMessage",
     "ChatMessageError",
     "ChatOptionError",

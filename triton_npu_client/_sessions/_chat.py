@@ -22,12 +22,24 @@
   it back: the turn is not added to :attr:`~ChatSession.messages` and the chat goes on. To cancel at once on
   ``break``, iterate inside ``contextlib.aclosing(chat.send(...))``; a loop left without it is closed only when
   the generator is collected, and until then a new turn is refused with :class:`ChatBusyError`.
+- **A turn that times out** (the chat's ``timeout_s``, or the turn's own) is rolled back the same way: it raises
+  :class:`RequestTimeout` (a :class:`TimeoutError`), is not added to the messages, and the chat goes on.
+- **The history digest.** Both sides chain a digest over the committed turns (``server._digest``). Every turn
+  but a START sends the client's (when the model takes ``DIGEST``), so a turn the server finished but the
+  client never saw end (cancelled or timed out at its last response) is rolled back there too. A final
+  response whose digest differs from the client's raises :class:`ChatHistoryMismatch` (never expected); that
+  turn is not kept, and the next turn makes the server drop it as well.
 - **One turn at a time.** A turn started while another streams on the same chat raises :class:`ChatBusyError`
   at once (nothing is queued).
-- **Losses.** When the server no longer holds the conversation (idle timeout, restart, reload),
-  :class:`SequenceLost` propagates and the chat is lost; whether to replay ``chat.messages`` into a new chat
-  is the caller's choice.
-- **Closing** the chat (leaving its block) sends END with no inputs: the server frees the conversation.
+- **Losses.** When the server no longer holds the conversation (eviction at the slot cap, idle timeout,
+  restart, reload), :class:`SequenceLost` propagates and the chat is lost, unless it was opened with
+  ``replay_on_loss=True``: then a turn lost before it yielded anything sends the recorded
+  :attr:`~ChatSession.messages` and its user message as the first turn of a fresh sequence (a new id), which
+  rebuilds exactly the same tokens; :attr:`~ChatSession.replays` counts it and :attr:`ChatReply.replayed`
+  marks the turn. A loss after a turn yielded pieces propagates, and the next turn replays.
+- **Closing** the chat (leaving its block) sends END with no inputs, once: the server frees the conversation.
+  A turn still streaming (read by another task, or left without closing its loop) is cancelled first and END
+  leaves at once; its reader gets :class:`SequenceClosedError`.
 """
 
 from __future__ import annotations
@@ -44,12 +56,20 @@ import attrs
 import numpy as np
 
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
-from .._errors import InternalServerError, SequenceUsageError, UsageError
+from .._errors import (
+    InternalServerError,
+    SequenceClosedError,
+    SequenceLost,
+    SequenceUsageError,
+    UsageError,
+)
 from .._wire import InferResult
+from ..server._digest import EMPTY, history_digest
 from ._sequence import DEFAULT_END_TIMEOUT_S, SequenceSession, SessionTarget, open_sequence
 
 __all__ = [
     "ChatBusyError",
+    "ChatHistoryMismatch",
     "ChatMessage",
     "ChatMessageError",
     "ChatOptionError",
@@ -63,6 +83,7 @@ __all__ = [
 ROLES: Final = ("system", "user", "assistant")
 _INPUTS: Final = ("ROLE", "TEXT")
 _OUTPUTS: Final = ("PIECE", "FINISH")
+_DIGEST: Final = "DIGEST"  # optional input and output: the history digest (server._digest)
 _INT32_MAX: Final = 2**31 - 1
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
@@ -90,6 +111,21 @@ class ChatMessageError(UsageError, ValueError):
 
 class ChatBusyError(UsageError, RuntimeError):
     """A turn was started while another turn of the same chat still streams; nothing was sent or queued."""
+
+
+class ChatHistoryMismatch(InternalServerError):
+    """A turn's final response carried a history digest other than the client's: the two sides disagree on the
+    conversation (it should never happen). The turn is not committed; the next turn, sent with the digest the
+    client holds, makes the server roll that turn back too, so the chat goes on.
+
+    ``expected`` is the digest the client computed, ``given`` the server's.
+    """
+
+    def __init__(self, message: str, *, expected: str, given: str, model: str | None = None,
+                 sequence_id: int | str | None = None) -> None:
+        super().__init__(message, model=model, sequence_id=sequence_id)
+        self.expected = expected
+        self.given = given
 
 
 # --- values --------------------------------------------------------------------------------------
@@ -243,7 +279,9 @@ class ChatReply:
     ``prompt_tokens``: prefilled this turn; ``context_tokens``: held by the conversation afterwards;
     ``dropped``: messages the server dropped from the oldest end of the history to make room.
     ``time_to_first_token_s``: from sending to the first text (``None`` for an empty reply);
-    ``elapsed_s``: from sending to the last response.
+    ``elapsed_s``: from sending to the last response. Both count from the turn's first send, so for a turn that
+    was ``replayed`` (the conversation was lost and replayed into a fresh one: ``replay_on_loss``) they include
+    the lost attempt and the replay's prefill: what the caller waited.
     """
 
     text: str
@@ -254,6 +292,7 @@ class ChatReply:
     dropped: int
     time_to_first_token_s: float | None
     elapsed_s: float
+    replayed: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -313,12 +352,16 @@ def open_chat(
     sequence_id: int | str | None = None,
     timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
     end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
+    replay_on_loss: bool = False,
 ) -> ChatSession:
     """A new chat on ``model`` (what ``model.chat(...)`` returns). Checks everything; no I/O until the first turn.
 
     ``system``: the system message, sent with the first turn, before ``history`` (messages to replay, as
     :class:`ChatMessage` values or ``(role, text)`` pairs). The generation options are the chat's defaults
-    (see :class:`ChatOptions`). ``timeout_s`` bounds each turn (the client's default when not given).
+    (see :class:`ChatOptions`). ``timeout_s`` bounds each turn (the client's default when not given; a turn may
+    give its own). ``replay_on_loss``: when the server has lost the conversation, a turn replays
+    :attr:`ChatSession.messages` into a fresh one instead of raising :class:`SequenceLost` (see the module
+    docstring).
     Raises :class:`SequenceUsageError` for a model that is not a chat model or a client that cannot stream
     (HTTP: Triton serves decoupled models over the gRPC stream only).
     """
@@ -342,8 +385,10 @@ def open_chat(
     if system is not None and not isinstance(system, str):
         raise ChatMessageError(f"system is a str; given {type(system).__name__}")
     prefix = ((ChatMessage("system", system),) if system is not None else ()) + as_messages(history)
+    if not isinstance(replay_on_loss, bool):
+        raise ChatOptionError("replay_on_loss", "a bool", replay_on_loss, model=spec.name)
     seq = open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
-    return ChatSession(seq, options=options, prefix=prefix)
+    return ChatSession(seq, options=options, prefix=prefix, replay_on_loss=replay_on_loss)
 
 
 class ChatSession:
@@ -352,7 +397,14 @@ class ChatSession:
     Made by ``model.chat(...)`` / ``client.chat(name, ...)`` (see :func:`open_chat`).
     """
 
-    def __init__(self, seq: SequenceSession, *, options: ChatOptions, prefix: tuple[ChatMessage, ...] = ()) -> None:
+    def __init__(
+        self,
+        seq: SequenceSession,
+        *,
+        options: ChatOptions,
+        prefix: tuple[ChatMessage, ...] = (),
+        replay_on_loss: bool = False,
+    ) -> None:
         self._seq = seq
         self._options = options
         self._messages: list[ChatMessage] = list(prefix)
@@ -361,13 +413,20 @@ class ChatSession:
         self._pending: tuple[ChatMessage, ...] = prefix
         # Leading system messages: the server never drops them when the context overflows.
         self._pinned = next((i for i, m in enumerate(prefix) if m.role != "system"), len(prefix))
+        self._replay_on_loss = replay_on_loss
+        # The history digest of the committed turns, as the server computes it (server._digest); sent with every
+        # turn but a START, when the model takes it.
+        self._sends_digest = seq.spec.input(_DIGEST) is not None
+        self._digest = EMPTY
         self._streaming = False
+        self._closed = False
         self._turns = 0
+        self._replays = 0
         self._context_tokens = 0
         self._last_reply: ChatReply | None = None
 
     def __repr__(self) -> str:
-        state = "lost" if self.is_lost else "open" if self.is_open else "closed"
+        state = "lost" if self.is_lost and not self._closed else "open" if self.is_open else "closed"
         return f"<Chat {self._seq.model} id={self._seq.sequence_id!r} turns={self._turns} {state}>"
 
     # -- state ----------------------------------------------------------------------------------------
@@ -378,6 +437,7 @@ class ChatSession:
 
     @property
     def sequence_id(self) -> int | str:
+        """The conversation's sequence id on the server (a new one after each replay)."""
         return self._seq.sequence_id
 
     @property
@@ -402,6 +462,11 @@ class ChatSession:
         return self._turns
 
     @property
+    def replays(self) -> int:
+        """Times the conversation was lost and replayed into a fresh one (``replay_on_loss``)."""
+        return self._replays
+
+    @property
     def context_tokens(self) -> int:
         """Tokens the server holds for this conversation after the last completed turn."""
         return self._context_tokens
@@ -418,12 +483,13 @@ class ChatSession:
 
     @property
     def is_open(self) -> bool:
-        """Whether a turn may be sent (neither closed nor lost)."""
-        return self._seq.is_open
+        """Whether a turn may be sent (not closed, and not lost unless ``replay_on_loss`` replays it)."""
+        return not self._closed and (self._seq.is_open or (self._replay_on_loss and self._seq.is_lost))
 
     @property
     def is_lost(self) -> bool:
-        """Whether the server lost the conversation (replay :attr:`messages` into a new chat to go on)."""
+        """Whether the server lost the conversation (replay :attr:`messages` into a new chat to go on; with
+        ``replay_on_loss`` the next turn does it)."""
         return self._seq.is_lost
 
     # -- turns ----------------------------------------------------------------------------------------
@@ -439,20 +505,24 @@ class ChatSession:
         top_k: int | None = None,
         seed: int | None = None,
         stop: Sequence[str] | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncGenerator[str, None]:
         """Send the user message ``text`` and yield the reply as ``str`` pieces as they arrive.
 
-        Options given override the chat's defaults for this turn. After the loop completes,
-        :attr:`last_reply` holds the turn's :class:`ChatReply`. Checked at once, before anything is sent:
-        the options (:class:`ChatOptionError`), the text, and that no other turn streams (:class:`ChatBusyError`).
+        Options given override the chat's defaults for this turn; ``timeout_s`` bounds this turn instead of the
+        chat's timeout. After the loop completes, :attr:`last_reply` holds the turn's :class:`ChatReply`.
+        Checked at once, before anything is sent: the options (:class:`ChatOptionError`), the text, and that no
+        other turn streams (:class:`ChatBusyError`).
         """
         options = self._options.override(
             max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, stop=stop,
         )
+        if timeout_s is not None and not (_is_number(timeout_s) and 0 < float(timeout_s) < math.inf):
+            raise ChatOptionError("timeout_s", "a number of seconds > 0", timeout_s, model=self._seq.model)
         user = ChatMessage("user", text)
         self._refuse_busy()
-        return self._turn(user, options)
+        return self._turn(user, options, None if timeout_s is None else float(timeout_s))
 
     async def ask(
         self,
@@ -465,11 +535,12 @@ class ChatSession:
         top_k: int | None = None,
         seed: int | None = None,
         stop: Sequence[str] | None = None,
+        timeout_s: float | None = None,
     ) -> ChatReply:
         """Send the user message ``text`` and return the whole reply (see :meth:`send`)."""
         pieces = self.send(
             text, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop,
+            seed=seed, stop=stop, timeout_s=timeout_s,
         )
         async with contextlib.aclosing(pieces):
             async for _ in pieces:
@@ -478,6 +549,12 @@ class ChatSession:
         return self._last_reply
 
     def _refuse_busy(self) -> None:
+        if self._closed:
+            raise SequenceClosedError(
+                f"chat {self._seq.sequence_id!r} on model {self._seq.model!r} is closed; open a new one",
+                model=self._seq.model,
+                sequence_id=self._seq.sequence_id,
+            )
         if self._streaming:
             raise ChatBusyError(
                 f"chat {self._seq.sequence_id!r} on model {self._seq.model!r}: a turn is still streaming; "
@@ -487,73 +564,128 @@ class ChatSession:
                 sequence_id=self._seq.sequence_id,
             )
 
-    async def _turn(self, user: ChatMessage, options: ChatOptions) -> AsyncGenerator[str, None]:
+    async def _turn(
+        self, user: ChatMessage, options: ChatOptions, timeout_s: float | None
+    ) -> AsyncGenerator[str, None]:
         self._refuse_busy()  # again: another turn may have started since send() was called
         self._streaming = True
+        started = time.perf_counter()
+        yielded = False
+        replayed = False
         try:
-            outgoing = (*self._pending, user)
-            inputs: dict[str, object] = {
-                "ROLE": np.array([m.role for m in outgoing], dtype=object),
-                "TEXT": np.array([m.text.encode() for m in outgoing], dtype=object),
-                **options.inputs(),
-            }
-            decoder = PieceDecoder()
-            parts: list[str] = []
-            started = time.perf_counter()
-            first_at: float | None = None
-            committed = False
-            stream = cast(AsyncGenerator[InferResult, None], self._seq.stream(inputs))  # an async generator
-            async with contextlib.aclosing(stream) as responses:
-                async for result in responses:
-                    # Mid-turn responses carry PIECE alone; the last one also FINISH and the counts.
-                    finish = _scalar(result, "FINISH")
-                    finish_reason = finish.decode("utf-8", "replace") if isinstance(finish, bytes) else ""
-                    piece = _scalar(result, "PIECE")
-                    text = decoder.feed(piece) if isinstance(piece, bytes) and piece else ""
-                    if finish_reason:
-                        text += decoder.flush()
-                    if text:
-                        parts.append(text)
-                        if first_at is None:
-                            first_at = time.perf_counter()
-                    if finish_reason:
-                        # Recorded before the last text is handed out: the server holds the turn from here on,
-                        # even if the caller leaves the loop at this piece.
-                        now = time.perf_counter()
-                        committed = True
-                        self._commit(
-                            outgoing,
-                            ChatReply(
-                                text="".join(parts),
-                                finish_reason=finish_reason,
-                                tokens=_count(result, "TOKENS"),
-                                prompt_tokens=_count(result, "PROMPT_TOKENS"),
-                                context_tokens=_count(result, "CONTEXT_TOKENS"),
-                                dropped=_count(result, "DROPPED"),
-                                time_to_first_token_s=None if first_at is None else first_at - started,
-                                elapsed_s=now - started,
-                            ),
-                        )
-                    if text:
+            while True:
+                try:
+                    async for text in self._attempt(user, options, timeout_s, started, replayed=replayed):
+                        yielded = True
                         yield text
-            if committed:
-                return
-            # The server's last response of a turn always names why it finished; a stream that ends without
-            # one broke the contract, and what the server kept is unknown.
-            raise InternalServerError(
-                f"chat {self._seq.sequence_id!r}: the turn's responses ended without a finish reason",
-                model=self._seq.model,
-                sequence_id=self._seq.sequence_id,
-            )
+                    return
+                except SequenceLost:
+                    # Only a turn that showed nothing yet can start again elsewhere; once only.
+                    if self._closed or yielded or replayed or not self._replay_on_loss:
+                        raise
+                await self._renew()
+                replayed = True
         finally:
             self._streaming = False
 
-    def _commit(self, outgoing: tuple[ChatMessage, ...], reply: ChatReply) -> None:
+    async def _attempt(
+        self, user: ChatMessage, options: ChatOptions, timeout_s: float | None, started: float, *, replayed: bool
+    ) -> AsyncGenerator[str, None]:
+        """One try at a turn on the current sequence: send, yield its text, commit it at its final response."""
+        seq = self._seq
+        outgoing = (*self._pending, user)
+        inputs: dict[str, object] = {
+            "ROLE": np.array([m.role for m in outgoing], dtype=object),
+            "TEXT": np.array([m.text.encode() for m in outgoing], dtype=object),
+            **options.inputs(),
+        }
+        if self._sends_digest and seq.steps_acknowledged > 0:
+            # Not with START (the server's conversation is new). It tells the server what the client holds: a
+            # turn the server finished but the client never saw end (cancelled or timed out at its last response)
+            # is rolled back there too.
+            inputs[_DIGEST] = np.array([self._digest.encode()], dtype=object)
+        decoder = PieceDecoder()
+        parts: list[str] = []
+        first_at: float | None = None
+        committed = False
+        # The server rolls a turn back when it is cancelled or times out: neither is a loss.
+        stream = cast(AsyncGenerator[InferResult, None], seq.stream(inputs, timeout_s=timeout_s, rolled_back=True))
+        async with contextlib.aclosing(stream) as responses:
+            async for result in responses:
+                # Mid-turn responses carry PIECE alone; the last one also FINISH, the counts and DIGEST.
+                finish = _scalar(result, "FINISH")
+                finish_reason = finish.decode("utf-8", "replace") if isinstance(finish, bytes) else ""
+                piece = _scalar(result, "PIECE")
+                text = decoder.feed(piece) if isinstance(piece, bytes) and piece else ""
+                if finish_reason:
+                    text += decoder.flush()
+                if text:
+                    parts.append(text)
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                if finish_reason:
+                    reply_text = "".join(parts)
+                    digest = history_digest(self._digest, [(m.role, m.text) for m in outgoing], reply_text)
+                    theirs = _scalar(result, _DIGEST)
+                    if isinstance(theirs, bytes) and theirs.decode("utf-8", "replace") != digest:
+                        raise ChatHistoryMismatch(
+                            f"chat {seq.sequence_id!r} on model {seq.model!r}: the server's history digest after "
+                            f"this turn is {theirs.decode('utf-8', 'replace')!r}, the client's {digest!r}: the two "
+                            "sides disagree on the conversation; the turn is not kept (the next turn rolls it back "
+                            "on the server too)",
+                            expected=digest,
+                            given=theirs.decode("utf-8", "replace"),
+                            model=seq.model,
+                            sequence_id=seq.sequence_id,
+                        )
+                    # Recorded before the last text is handed out: the server holds the turn from here on,
+                    # even if the caller leaves the loop at this piece.
+                    now = time.perf_counter()
+                    committed = True
+                    self._commit(
+                        outgoing,
+                        digest,
+                        ChatReply(
+                            text=reply_text,
+                            finish_reason=finish_reason,
+                            tokens=_count(result, "TOKENS"),
+                            prompt_tokens=_count(result, "PROMPT_TOKENS"),
+                            context_tokens=_count(result, "CONTEXT_TOKENS"),
+                            dropped=_count(result, "DROPPED"),
+                            time_to_first_token_s=None if first_at is None else first_at - started,
+                            elapsed_s=now - started,
+                            replayed=replayed,
+                        ),
+                    )
+                if text:
+                    yield text
+        if committed:
+            return
+        # The server's last response of a turn always names why it finished; a stream that ends without
+        # one broke the contract, and what the server kept is unknown.
+        raise InternalServerError(
+            f"chat {seq.sequence_id!r}: the turn's responses ended without a finish reason",
+            model=seq.model,
+            sequence_id=seq.sequence_id,
+        )
+
+    async def _renew(self) -> None:
+        """The server lost the conversation: go on in a fresh one that the next attempt fills with the history."""
+        lost = self._seq
+        self._seq = lost.renewed()
+        self._pending = tuple(self._messages)
+        self._digest = EMPTY
+        self._replays += 1
+        # Whatever the server may still hold for the lost id (Triton's sequence slot) is freed; bounded, best effort.
+        await lost.aclose()
+
+    def _commit(self, outgoing: tuple[ChatMessage, ...], digest: str, reply: ChatReply) -> None:
         # Mirror the server's history exactly, so that replaying these messages rebuilds the same tokens: the
         # server drops its oldest messages (after the leading system ones) to make room for a turn.
         del self._messages[self._pinned : self._pinned + reply.dropped]
         self._messages.extend((outgoing[-1], ChatMessage("assistant", reply.text)))
         self._pending = ()
+        self._digest = digest
         self._turns += 1
         self._context_tokens = reply.context_tokens
         self._last_reply = reply
@@ -561,7 +693,12 @@ class ChatSession:
     # -- closing --------------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """End the conversation on the server (END, no inputs; bounded, best effort). Idempotent."""
+        """End the conversation on the server (END, no inputs; bounded, best effort). Idempotent.
+
+        A turn still streaming (being read, or left without closing its loop) is cancelled and END leaves at
+        once: the server rolls the turn back and frees the conversation.
+        """
+        self._closed = True
         await self._seq.aclose()
 
     async def __aenter__(self) -> Self:

@@ -23,7 +23,9 @@
 - **Cancellation.** Cancelling a :meth:`~SequenceSession.stream` step (or leaving its loop early) cancels that
   request on the server (a gRPC call of its own); the model keeps what it computed before it stopped, and the
   session goes on. Cancelling an :meth:`~SequenceSession.infer` step leaves its outcome unknown: later steps
-  raise :class:`SequenceLost`.
+  raise :class:`SequenceLost`. A stream step sent with ``rolled_back=True`` (a chat turn) is one the model rolls
+  back when it is cancelled *or times out*: its timeout is that step's own error, not a loss, and closing the
+  session while it streams cancels it and sends END at once.
 - **Idle timeout.** A step that leaves later than the model's ``max_sequence_idle_microseconds`` after the
   previous answer is warned about (:class:`SequenceIdleWarning`) when it actually leaves, after any wait for a
   connection.
@@ -32,6 +34,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import uuid
@@ -43,6 +46,7 @@ from typing import Final, Protocol, Self
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
 from .._call._caller import Caller
 from .._errors import (
+    RequestTimeout,
     SequenceClosedError,
     SequenceLost,
     SequenceUsageError,
@@ -196,6 +200,7 @@ class SequenceSession:
         spec = model.spec
         if spec.sequence is None:
             raise SequenceUsageError(f"model {spec.name!r} is not stateful (no sequence_batching)", model=spec.name)
+        self._target = model
         if sequence_id is None:
             self._id: int | str = new_sequence_id(string=spec.sequence.string_ids)
         else:
@@ -218,6 +223,10 @@ class SequenceSession:
         self._needs_end = False
         self._last_request: InferRequest | None = None
         self._last_answer_at: float | None = None
+        # The call of a rolled_back stream step still in flight (its reader may have abandoned it): closing the
+        # session cancels it and sends END without waiting for it.
+        self._rolled_back_call: Responses | None = None
+        self._closed_under: Responses | None = None  # that call, once aclose() cancelled it
 
     def __repr__(self) -> str:
         state = "lost" if self._loss is not None else "ended" if self._ended else "open"
@@ -237,6 +246,10 @@ class SequenceSession:
         return self._spec.name
 
     @property
+    def spec(self) -> ModelSpec:
+        return self._spec
+
+    @property
     def steps_acknowledged(self) -> int:
         """Steps the server has answered."""
         return self._acked
@@ -249,6 +262,16 @@ class SequenceSession:
     @property
     def is_lost(self) -> bool:
         return self._loss is not None
+
+    def renewed(self) -> SequenceSession:
+        """A new session on the same model with the same settings and a fresh id (nothing is sent)."""
+        return SequenceSession(
+            self._target,
+            route=self._route,
+            timeout_s=self._timeout_s,
+            end_timeout_s=self._end_timeout_s,
+            outputs=self._outputs,
+        )
 
     # -- steps ----------------------------------------------------------------------------------------
 
@@ -285,6 +308,7 @@ class SequenceSession:
         *,
         end: bool = False,
         timeout_s: float | None = None,
+        rolled_back: bool = False,
         **named: object,
     ) -> AsyncIterator[InferResult]:
         """Send one step and yield every response to it, until the final one (``end=True``: the step carries END).
@@ -292,6 +316,11 @@ class SequenceSession:
         On a decoupled model the step takes a gRPC call of its own: leaving the loop early (or cancelling the
         task that iterates) cancels it on the server, and the session goes on. For an immediate cancel on
         ``break``, iterate inside ``contextlib.aclosing(seq.stream(...))``.
+
+        ``rolled_back=True`` says the model rolls this step back when it is cancelled or times out (a chat turn):
+        a :class:`RequestTimeout` is raised as this step's own error and the session goes on, as after a cancel
+        (without it a timeout leaves the step's outcome unknown: the session is lost). Closing the session while
+        such a step streams cancels it and sends END at once.
         """
         request = self._build(inputs, named)
         self._refuse()
@@ -303,19 +332,33 @@ class SequenceSession:
                 request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
                 route="own" if decoupled else self._route, many=decoupled,
             )
+            if rolled_back:
+                self._rolled_back_call = responses
             answered = False
             finished = False
             try:
-                async for result in responses:
-                    if not answered:
-                        answered = True
-                        self._acknowledged(end=False)
-                    yield result
+                try:
+                    async for result in responses:
+                        if not answered:
+                            answered = True
+                            self._acknowledged(end=False)
+                        yield result
+                except asyncio.CancelledError:
+                    if not self._closed_by_aclose(responses):
+                        raise
+                if self._closed_under is responses:
+                    raise self._closed_while_streaming() from None
                 finished = True
             except TritonError as err:
+                if self._closed_under is responses and isinstance(err, SequenceClosedError):
+                    raise
+                if rolled_back and isinstance(err, RequestTimeout):
+                    raise  # rolled back on the server like a cancel: neither acknowledged nor lost
                 finished = True
                 raise self._failed(err, start=start) from err
             finally:
+                if self._rolled_back_call is responses:
+                    self._rolled_back_call = None
                 # Cut short (cancelled, or the loop left early): closing cancels the call on the server. An END
                 # step cut short may not have been applied, so _needs_end stays set and the close re-sends END.
                 await responses.aclose()
@@ -324,6 +367,20 @@ class SequenceSession:
                         self._acknowledged(end=end)  # a step answered by the final flag alone
                     elif end:
                         self._needs_end = False
+
+    def _closed_by_aclose(self, responses: Responses) -> bool:
+        """Whether a cancellation that reached a step's reader came from aclose() cancelling the step's call,
+        not from a cancellation of the reader's own task."""
+        task = asyncio.current_task()
+        return self._closed_under is responses and task is not None and not task.cancelling()
+
+    def _closed_while_streaming(self) -> SequenceClosedError:
+        return SequenceClosedError(
+            f"sequence {self._id!r} of model {self._spec.name!r} was closed while this step streamed; the step "
+            "was cancelled",
+            model=self._spec.name,
+            sequence_id=self._id,
+        )
 
     def _build(self, inputs: Mapping[str, object] | None, named: Mapping[str, object]) -> InferRequest:
         # Validation happens here, before the lock and before anything is sent.
@@ -438,7 +495,9 @@ class SequenceSession:
         """End the sequence if the server may still hold it (bounded, best effort). Idempotent.
 
         The closing request carries END and no inputs when the model allows it, else the last step's inputs
-        (see the module docstring); a caller cancelled while it runs does not stop it.
+        (see the module docstring); a caller cancelled while it runs does not stop it. A ``rolled_back`` stream
+        step still in flight (being read, or abandoned by its reader) is cancelled first and END leaves at once,
+        without waiting for it: the model rolls the step back and the END frees the sequence.
         """
         if self._loss is None:
             self._ended = True
@@ -448,15 +507,23 @@ class SequenceSession:
         self._needs_end = False  # idempotent: a second aclose() sends nothing
         if self._end_only:
             request = build_request(self._spec, None, None)
-        task = asyncio.get_running_loop().create_task(self._send_closing(request))
+        in_flight = self._rolled_back_call
+        if in_flight is not None:
+            self._closed_under = in_flight
+            await in_flight.aclose()
+        task = asyncio.get_running_loop().create_task(self._send_closing(request, queue=in_flight is None))
         _CLOSING.add(task)
         task.add_done_callback(_CLOSING.discard)
         await asyncio.shield(task)
 
-    async def _send_closing(self, request: InferRequest) -> None:
+    async def _send_closing(self, request: InferRequest, *, queue: bool = True) -> None:
         try:
-            # Behind any step still queued on the lock, so the END really is the sequence's last request.
-            async with asyncio.timeout(self._end_timeout_s), self._lock:
+            async with asyncio.timeout(self._end_timeout_s), contextlib.AsyncExitStack() as stack:
+                if queue:
+                    # Behind any step still queued on the lock, so the END really is the sequence's last request.
+                    # (Not behind a cancelled rolled_back step: its reader may never resume to release the lock.
+                    # Steps queued behind it see the session ended and send nothing.)
+                    await stack.enter_async_context(self._lock)
                 # Nothing acknowledged yet: START+END resets and frees whatever reached the server.
                 route: Route = self._route
                 responses = self._caller.call(
@@ -471,6 +538,8 @@ class SequenceSession:
                 async for _ in responses:
                     pass
         except (TritonError, TimeoutError) as err:
+            # Sent once: a refused END is not retried (Triton ends the sequence on END whatever the model answers,
+            # so a second END would only be told to START).
             _log.debug("closing request of sequence %r failed (best effort): %s", self._id, err)
 
     async def __aenter__(self) -> Self:
