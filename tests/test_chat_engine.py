@@ -723,3 +723,8 @@ def test_the_digest_chain_matches_the_client_rule_and_undoes_one_turn(checkpoint
     assert stale.refusal[0] == "unknown"
     assert "history differs" in stale.refusal[1]
     assert rig.turn(1, ["user"], ["Hi."], digest=again.last.digest).refusal is None
+    # Refused with END: Triton ends the sequence whatever the model answers, so the slot is freed too.
+    last = rig.submit(1, ["user"], ["Bye."], digest="0" * 32, end=True)
+    rig.run(last)
+    assert last.refusal[0] == "unknown"
+    assert rig.slots.slot_of(1) is None

@@ -496,6 +496,8 @@ class ChatEngine:
                         f"{SEQUENCE_UNKNOWN} sequence {stream.key!r}: the conversation's history differs from the "
                         "client's (history digests differ); start a new conversation, replaying the history",
                     )
+                    if turn.end:
+                        self._release(stream.key)  # Triton ends the sequence with this request whatever we answer
                     continue
             try:
                 self._prefill(turn, conv)
