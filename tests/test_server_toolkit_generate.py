@@ -630,5 +630,7 @@ def test_a_failing_admit_fails_only_the_stream_that_causes_it() -> None:
     assert victim.flags == [FINAL]
     assert "admitting the request failed: poisoned admit [5]" in victim.sent[0][0][1]
     assert (5, "failed") in model.exits  # admit may have given it something: on_exit is its chance to free it
+    # Each retry sees the streams admitted before it as running (an eviction must never take their slots).
+    assert model.admitted[-1] == ([6], [1, 2, 3, 4])
     for key, sender in senders.items():
         assert sender.responses == [(key, 1), (key, 2)]

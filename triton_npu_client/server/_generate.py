@@ -350,7 +350,10 @@ class StepLoop(Generic[J]):
                 return [(arrived[0], _Failed(err))]
             _log.warning("admit failed for %d streams (%s): trying them apart", len(arrived), err)
             mid = len(arrived) // 2
-            return self._admit_isolated(arrived[:mid], running) + self._admit_isolated(arrived[mid:], running)
+            first = self._admit_isolated(arrived[:mid], running)
+            # The first half's admitted streams run now: the second half's admit must see them as running.
+            running = running + [stream for stream, verdict in first if verdict is None]
+            return first + self._admit_isolated(arrived[mid:], running)
         if len(verdicts) != len(arrived):
             # A bug of the callback, not of a stream: trying fewer streams would not find a culprit.
             bug = RuntimeError(f"admit returned {len(verdicts)} verdicts for {len(arrived)} streams")
