@@ -409,8 +409,13 @@ async def test_options_are_checked_before_anything_is_sent(client: Client) -> No
         assert info.value.given == 0
         with pytest.raises(ChatOptionError, match="'stop'"):
             await chat.ask("hi", stop="END")
+        for timeout_s in (0, -1.0, math.nan, "1"):
+            with pytest.raises(ChatOptionError, match="'timeout_s': expected a number of seconds > 0"):
+                chat.send("hi", timeout_s=timeout_s)  # type: ignore[arg-type]
         assert chat.turns == 0
         assert (await chat.ask("hi")).tokens > 0
+    with pytest.raises(ChatOptionError, match="'replay_on_loss': expected a bool, given 'yes'"):
+        (await client.model(MODEL)).chat(replay_on_loss="yes")  # type: ignore[arg-type]
 
 
 async def test_an_http_client_is_refused_at_open(triton_server: LocalTriton) -> None:
@@ -546,7 +551,7 @@ async def solo_replay(client: Client, messages: tuple[ChatMessage, ...], **optio
 
 # Far more tokens than LONG_TIMEOUT_S allows on any machine this runs on (1200 tokens take seconds; the deadline
 # is a fraction of a second), and a short enough prompt that they fit in the context.
-LONG = {"max_tokens": 1200, "min_tokens": 1200}
+LONG: dict[str, Any] = {"max_tokens": 1200, "min_tokens": 1200}
 SHORT_TIMEOUT_S = 0.2
 
 
@@ -767,6 +772,21 @@ async def test_replay_on_loss_survives_a_reload_of_the_model(client: Client, tri
         reply = await chat.ask("Where do you live?")
         assert (chat.replays, reply.replayed) == (1, True)
     solo = await solo_replay(client, (*history, ChatMessage("user", "Where do you live?")), max_tokens=10)
+    assert (reply.text, reply.context_tokens) == solo
+
+
+async def test_replay_on_loss_survives_eviction_at_the_slot_cap(client: Client) -> None:
+    """On chat_small (two slots, the conversation idle longest evicted at once by a START at the cap): two other
+    conversations evict ours; its next turn replays (evicting in turn) and answers as the solo replay does."""
+    async with client.chat("chat_small", system=SYSTEM, max_tokens=8, replay_on_loss=True) as chat:
+        await chat.ask("Good morning.")
+        history = chat.messages
+        async with client.chat("chat_small", max_tokens=1) as first, client.chat("chat_small", max_tokens=1) as second:
+            await first.ask("Hi.")
+            await second.ask("Hi.")  # at the cap: ours, idle longest, is evicted
+            reply = await chat.ask("Where do you live?")
+        assert (chat.replays, reply.replayed, chat.turns) == (1, True, 2)
+    solo = await solo_replay(client, (*history, ChatMessage("user", "Where do you live?")), max_tokens=8)
     assert (reply.text, reply.context_tokens) == solo
 
 
