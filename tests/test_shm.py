@@ -335,7 +335,31 @@ async def test_aclose_waits_for_requests_in_flight(client: Client) -> None:
     assert len(done) == 2
     for batch, result in done:
         np.testing.assert_array_equal(result["OUTPUT0"], 2 * batch)
-    assert all(isinstance(r, ClientClosedError) for r in refused)
+    assert all(isinstance(r, ClientClosedError) for r in refused), [repr(r) for r in refused]
+    assert _mine() == set()
+
+
+async def test_aclose_fails_every_waiter_when_two_slots_come_back_at_once(client: Client) -> None:
+    """Two slots released in one loop pass while aclose waits first in line: every waiter still gets
+    ClientClosedError at once (it used to keep one woken waiter, and those behind it, until their deadline).
+
+    The slots are held through the pool's own _acquire, so that both come back in one synchronous step, as two
+    responses that arrive together on a busy machine do.
+    """
+    model = await client.model("scale_fp32")
+    pool = await SharedMemoryPool.open(model, slots=2)
+    held = [await pool._acquire(None), await pool._acquire(None)]
+    waiters = [asyncio.create_task(pool.infer_batch({"INPUT0": np.ones((1, 4), np.float32)}, timeout_s=30))]
+    waiters += [asyncio.create_task(pool.infer_batch({"INPUT0": np.ones((1, 4), np.float32)}, timeout_s=30))]
+    closing = asyncio.create_task(pool.aclose())
+    while len(pool._free._getters) < 1 + len(waiters):  # type: ignore[attr-defined]
+        await asyncio.sleep(0)  # until aclose and both waiters wait for a slot, aclose first in line
+    for slot in held:
+        pool._in_use -= 1
+        pool._free.put_nowait(slot)
+    outcomes = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), 10)
+    await closing
+    assert [type(o) for o in outcomes] == [ClientClosedError, ClientClosedError], outcomes
     assert _mine() == set()
 
 

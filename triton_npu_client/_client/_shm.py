@@ -325,10 +325,16 @@ class SharedMemoryPool:
         if self._closed:
             return
         self._closed = True
+        held: list[_Slot] = []
         try:
             for _ in self._slots:
-                await self._free.get()
+                held.append(await self._free.get())
         finally:
+            # A waiter for a slot fails only once a slot reaches it, and a release that woke one may have been
+            # taken here instead (two releases before either taker runs): hand the slots back, so that each
+            # waiter takes one, finds the pool closed and passes it on.
+            for slot in held:
+                self._free.put_nowait(slot)
             await self._cleanup()
 
     async def __aenter__(self) -> Self:
