@@ -28,6 +28,7 @@ from triton_npu_client import (
     ChatSession,
     Client,
     InternalServerError,
+    InvalidArgumentError,
     LocalTriton,
     RequestTimeout,
     SequenceClosedError,
@@ -592,6 +593,28 @@ async def test_a_first_turn_that_times_out_leaves_the_chat_usable(client: Client
     async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as clean:
         expected = await clean.ask("What is your name?")
     assert (reply.text, reply.context_tokens) == (expected.text, expected.context_tokens)
+
+
+@pytest.mark.parametrize(
+    ("refused", "options"),
+    [("x" * 1_000_000, {}), ("Hello.", {"stop": ["y" * 10_000] * 200})],
+    ids=["message-over-the-cap", "stop-strings-over-the-cap"],
+)
+async def test_a_refused_first_turn_leaves_the_chat_usable(client: Client, refused: str, options: Any) -> None:
+    """A first turn the server refuses (an input over its caps) left no conversation there: the next turn starts
+    it again (START, with the system message), instead of being told the conversation is unknown."""
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as chat:
+        with pytest.raises(InvalidArgumentError):
+            await chat.ask(refused, **options)
+        assert (chat.messages, chat.turns, chat.is_lost) == ((ChatMessage("system", SYSTEM),), 0, False)
+        reply = await chat.ask("What is your name?")
+        # A refusal after the first turn leaves the conversation as it was, too.
+        with pytest.raises(InvalidArgumentError):
+            await chat.ask(refused, **options)
+        after = await chat.ask("Where do you live?")
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as clean:
+        expected = [await clean.ask("What is your name?"), await clean.ask("Where do you live?")]
+    assert [(r.text, r.context_tokens) for r in (reply, after)] == [(r.text, r.context_tokens) for r in expected]
 
 
 async def test_a_plain_sequence_step_that_times_out_still_loses_the_sequence(client: Client) -> None:

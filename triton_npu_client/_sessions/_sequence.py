@@ -317,10 +317,11 @@ class SequenceSession:
         task that iterates) cancels it on the server, and the session goes on. For an immediate cancel on
         ``break``, iterate inside ``contextlib.aclosing(seq.stream(...))``.
 
-        ``rolled_back=True`` says the model rolls this step back when it is cancelled or times out (a chat turn):
-        a :class:`RequestTimeout` is raised as this step's own error and the session goes on, as after a cancel
-        (without it a timeout leaves the step's outcome unknown: the session is lost). Closing the session while
-        such a step streams cancels it and sends END at once.
+        ``rolled_back=True`` says the model rolls this step back when it is cancelled, times out or fails (a chat
+        turn): a :class:`RequestTimeout` is raised as this step's own error and the session goes on, as after a
+        cancel (without it a timeout leaves the step's outcome unknown: the session is lost); a step refused
+        before any response is not counted as acknowledged (a refused first step leaves no state, so the next
+        one carries START again). Closing the session while such a step streams cancels it and sends END at once.
         """
         request = self._build(inputs, named)
         self._refuse()
@@ -354,7 +355,9 @@ class SequenceSession:
                     raise
                 if rolled_back and isinstance(err, RequestTimeout):
                     raise  # rolled back on the server like a cancel: neither acknowledged nor lost
-                finished = True
+                # A refused rolled-back step left nothing behind, so its refusal is no acknowledgement: after a
+                # refused first step (an input over a cap, the slot cap) the next one carries START again.
+                finished = not rolled_back
                 raise self._failed(err, start=start) from err
             finally:
                 if self._rolled_back_call is responses:
