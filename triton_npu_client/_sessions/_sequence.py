@@ -24,7 +24,8 @@
   request on the server (a gRPC call of its own); the model keeps what it computed before it stopped, and the
   session goes on. Cancelling an :meth:`~SequenceSession.infer` step leaves its outcome unknown: later steps
   raise :class:`SequenceLost`. A stream step sent with ``rolled_back=True`` (a chat turn) is one the model rolls
-  back when it is cancelled *or times out*: its timeout is that step's own error, not a loss, and closing the
+  back when it is cancelled, *times out* or fails: its timeout is that step's own error, not a loss; a refusal
+  before any response is no acknowledgement (a refused first step is followed by START again); and closing the
   session while it streams cancels it and sends END at once.
 - **Idle timeout.** A step that leaves later than the model's ``max_sequence_idle_microseconds`` after the
   previous answer is warned about (:class:`SequenceIdleWarning`) when it actually leaves, after any wait for a
