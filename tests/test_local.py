@@ -292,6 +292,35 @@ def _live_with(marker: bytes) -> list[int]:
     return found
 
 
+FINALIZE_MARKS_MODEL = """
+import pathlib
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())])
+                for r in requests]
+    def finalize(self):
+        pathlib.Path(MARK).write_text("finalized")
+"""
+
+
+@pytest.mark.parametrize("how", ["sync", "async"])
+async def test_stopping_a_ready_server_lets_every_model_finalize(tmp_path: Path, how: str) -> None:
+    """stop()/astop() may end the wait once the stubs are gone, never before: each model's finalize has run."""
+    marks = [tmp_path / f"finalized-{n}" for n in range(2)]
+    for n, mark in enumerate(marks):
+        _write_model(tmp_path / "repo", f"mark{n}", FINALIZE_MARKS_MODEL.replace("MARK", repr(str(mark))))
+    server = tnc.LocalTriton(tmp_path / "repo", stop_grace_s=60.0)
+    if how == "sync":
+        server.start()
+        server.stop()
+    else:
+        await server.astart()
+        await server.astop()
+    assert [m.read_text() for m in marks] == ["finalized", "finalized"]
+    assert server.processes() == []
+
+
 async def test_async_context_manager(tmp_path: Path) -> None:
     """``async with`` yields a ready server whose HTTP endpoint answers, then stops it."""
     _write_model(tmp_path, "echo", GOOD_MODEL)

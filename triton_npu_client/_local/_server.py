@@ -236,6 +236,8 @@ class LocalTriton:
         self._log_file: Path | None = None
         # True from the moment a temp folder exists until stopping has removed it and reaped the server.
         self._active = False
+        # True from a successful start until stopping has finished.
+        self._ready = False
         self.binary: Path | None = None
         # The Python backend's shared-memory regions this server mapped (names under /dev/shm). A server that stops
         # cleanly unlinks them; one that is SIGKILLed cannot, so stopping removes whatever of them is left.
@@ -498,6 +500,7 @@ class LocalTriton:
             self._stop(keep_log_if_exited=False)
             raise
         self._note_regions()
+        self._ready = True
         _log.debug("tritonserver ready: %s %s", self.http_url, self.grpc_url)
         return self
 
@@ -530,6 +533,7 @@ class LocalTriton:
                 await self._astop(keep_log_if_exited=False)
             raise
         await asyncio.to_thread(self._note_regions)
+        self._ready = True
         _log.debug("tritonserver ready: %s %s", self.http_url, self.grpc_url)
         return self
 
@@ -553,6 +557,23 @@ class LocalTriton:
             return False
         # Zombies do not count: processes() asks /proc for living members carrying our marker.
         return self._proc.poll() is None or bool(self.processes())
+
+    def _stubs(self) -> set[int]:
+        """The group's processes other than the server: the Python backend's stubs, one per model instance."""
+        return set(self.processes()) - {self._proc.pid} if self._proc is not None else set()
+
+    def _stopped(self, stubs_at_term: bool) -> bool:
+        """Whether stopping need not wait any longer: the group is gone, or (``stubs_at_term``: a ready server
+        that had stubs when it got SIGTERM) no stub is left.
+
+        A stub exits once its model instance has finished its requests and run ``finalize``; Triton then only
+        waits for its once-a-second shutdown poll and tears itself down, a second or two that the SIGKILL which
+        follows saves. A server without stubs (other backends), or one still starting (its stubs come and go
+        while models load), is waited for until it exits.
+        """
+        if not self._group_alive():
+            return True
+        return stubs_at_term and not self._stubs()
 
     def _send_term(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -582,6 +603,7 @@ class LocalTriton:
         if self._workdir is not None:
             shutil.rmtree(self._workdir / "backends" if keep_log else self._workdir, ignore_errors=True)
         self._active = False
+        self._ready = False
         _LIVE.discard(self)
 
     def _should_keep_log(self, keep_log_if_exited: bool) -> bool:
@@ -593,9 +615,10 @@ class LocalTriton:
         keep_log = self._should_keep_log(keep_log_if_exited)
         try:
             self._note_regions()
+            stubs_at_term = self._ready and bool(self._stubs())
             self._send_term()
             deadline = self._grace_deadline()
-            while self._group_alive() and time.monotonic() < deadline:
+            while not self._stopped(stubs_at_term) and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             self._finish(keep_log=keep_log)
@@ -605,10 +628,11 @@ class LocalTriton:
             return
         keep_log = self._should_keep_log(keep_log_if_exited)
         try:
+            stubs_at_term = self._ready and bool(await asyncio.to_thread(self._stubs))
             self._send_term()
             await asyncio.to_thread(self._note_regions)  # while the group still lives to be read
             deadline = self._grace_deadline()
-            while time.monotonic() < deadline and await asyncio.to_thread(self._group_alive):
+            while time.monotonic() < deadline and not await asyncio.to_thread(self._stopped, stubs_at_term):
                 await asyncio.sleep(0.05)
         finally:
             # SIGKILL now, on the loop's thread: it never blocks (no /proc scan), and it happens even
@@ -619,7 +643,12 @@ class LocalTriton:
             await asyncio.shield(asyncio.to_thread(self._finish, keep_log=keep_log))
 
     def stop(self) -> None:
-        """SIGTERM, wait up to ``stop_grace_s``, then SIGKILL the whole group. Idempotent."""
+        """SIGTERM, wait up to ``stop_grace_s``, then SIGKILL the whole group. Idempotent.
+
+        The wait ends early once the server has exited, or once every Python-backend stub it had has exited
+        (each model has finished its requests and run ``finalize``; what Triton does after that is not worth the
+        second or two it takes).
+        """
         self._stop(keep_log_if_exited=True)
 
     async def astop(self) -> None:
