@@ -644,8 +644,8 @@ async def _single_of(responses: Any, model: str) -> InferResult:
 class OwnStreamCall:
     """One request on a ``ModelStreamInfer`` call of its own: closing or cancelling it cancels it on the server."""
 
-    __slots__ = ("_call", "_done", "_many", "_metadata", "_model", "_multicallable", "_on_send", "_request",
-                 "_request_id", "_sequence_id", "_timeout_s")
+    __slots__ = ("_call", "_deadline", "_done", "_many", "_metadata", "_model", "_multicallable", "_on_send",
+                 "_request", "_request_id", "_sequence_id", "_timeout_s")
 
     def __init__(
         self,
@@ -668,6 +668,7 @@ class OwnStreamCall:
         self._sequence_id = outgoing.sequence_id
         self._request_id = "1"
         self._call: Any = None
+        self._deadline: float | None = None
         self._done = False
 
     def __repr__(self) -> str:
@@ -677,6 +678,7 @@ class OwnStreamCall:
         payload = self._request.encode(self._request_id, self._many)
         if self._on_send is not None:
             self._on_send()
+        self._deadline = _deadline(self._timeout_s)
         # One request, then half-close: Triton goes on answering until the final response, then ends the call.
         self._call = self._multicallable(iter((payload,)), metadata=self._metadata or None, timeout=self._timeout_s)
         return self._call
@@ -702,6 +704,8 @@ class OwnStreamCall:
             message = await call.read()
         except grpc.aio.AioRpcError as err:
             self._finish()
+            if self._past_deadline():
+                raise self._timed_out(err.details() or str(err.code())) from err
             raise map_error(
                 err, model=self._model, request_id=self._request_id, sequence_id=self._sequence_id
             ) from err
@@ -720,6 +724,8 @@ class OwnStreamCall:
             raise StopAsyncIteration
         if message.error_message:
             self._finish()
+            if self._past_deadline():
+                raise self._timed_out(message.error_message)
             raise map_stream_error(
                 message.error_message, model=self._model, request_id=self._request_id, sequence_id=self._sequence_id
             )
@@ -733,3 +739,19 @@ class OwnStreamCall:
     async def aclose(self) -> None:
         """Cancel the call if it still runs (the server sees the cancellation)."""
         self._finish()
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and asyncio.get_running_loop().time() >= self._deadline
+
+    def _timed_out(self, said: str) -> RequestTimeout:
+        # A failure once the call's deadline has passed is the deadline's doing: grpc then reports, racing with its
+        # own DEADLINE_EXCEEDED, INTERNAL "Internal error from Core", and the server may answer the request its
+        # deadline cancelled with an error of its own (both seen against Triton 2.51 under load). The caller asked
+        # for a bound on time and must see the timeout, not a server fault.
+        return RequestTimeout(
+            f"model {self._model!r}: no answer within {self._timeout_s} s on the gRPC stream ({said})",
+            model=self._model,
+            request_id=self._request_id,
+            status="DEADLINE_EXCEEDED",
+            sequence_id=self._sequence_id,
+        )

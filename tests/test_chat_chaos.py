@@ -1,0 +1,311 @@
+"""Chaos on the real `chat` model: many conversations, each driven by a seeded random script of ordinary and hostile
+actions at once; afterwards nobody was harmed by anybody else.
+
+Actions: send a turn; read k pieces then cancel; time out mid-turn; close mid-turn (cancel, then close at once, what
+``async with`` does on Ctrl-C); hostile values (a temperature of 1e-39, a 10 MB message, 200 stop strings of 10 KB);
+open a chat and never send; and, on ``chat_small`` (two slots, the longest-idle conversation evicted at once),
+conversations that lose their slot to each other and replay their history.
+
+Invariants, checked after every run:
+- every turn that finished got exactly the reply a solo replay of its own recorded history gives on
+  ``chat_stateless`` (greedy: the same model and weights, keeping nothing);
+- no conversation failed because of another: every error is the one its own action asked for;
+- the server's ``LIVE`` and ``KV_BYTES`` (read with a one-request probe) return to their baseline.
+
+The seed is printed. ``TNC_CHAOS_SEED=S`` runs seed S; ``TNC_CHAOS_RUNS=N`` runs N seeds from it (S, S+1, ...)::
+
+    TNC_CHAOS_SEED=1 TNC_CHAOS_RUNS=20 .venv/bin/pytest -q -s tests/test_chat_chaos.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+
+from triton_npu_client import (
+    ChatMessage,
+    ChatSession,
+    Client,
+    InvalidArgumentError,
+    LocalTriton,
+    Model,
+    RequestTimeout,
+    SequenceCapacityError,
+)
+
+SEED = int(os.environ.get("TNC_CHAOS_SEED", "20261201"))
+RUNS = int(os.environ.get("TNC_CHAOS_RUNS", "1"))
+CONVERSATIONS = int(os.environ.get("TNC_CHAOS_CONVERSATIONS", "24"))
+SMALL_CONVERSATIONS = 4  # on chat_small's two slots: every turn may evict another conversation
+WORDS = ("tea", "garden", "letter", "ball", "rain", "village", "sister", "carriage", "novel", "dinner", "walk")
+ACTIONS = ("send", "cancel", "timeout", "close_mid_turn", "temperature_tiny", "huge_message", "many_stops", "idle")
+
+
+@dataclass
+class Finished:
+    """A turn that finished: the history the client held before it, its message, its options and its reply."""
+
+    history: tuple[ChatMessage, ...]
+    text: str
+    options: dict[str, Any]
+    reply: str
+
+
+@dataclass
+class Tally:
+    actions: collections.Counter[str] = field(default_factory=collections.Counter)
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    finished: list[Finished] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+
+def turn_options(chat: ChatSession, given: dict[str, Any]) -> dict[str, Any]:
+    """The options a turn ran with: the chat's defaults, then the turn's own."""
+    defaults = {k: v for k, v in attrs.asdict(chat.options).items() if v is not None}
+    return {**defaults, **given}
+
+
+def sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 7))).capitalize() + "?"
+
+
+async def finish_turn(chat: ChatSession, tally: Tally, text: str, **options: Any) -> None:
+    """One whole turn; a finished one is recorded for the solo replay."""
+    history = chat.messages
+    reply = await chat.ask(text, **options)
+    tally.finished.append(Finished(history, text, turn_options(chat, options), reply.text))
+    tally.outcomes["finished"] += 1
+
+
+async def read_then_stop(chat: ChatSession, tally: Tally, text: str, pieces: int, **options: Any) -> None:
+    """Read ``pieces`` pieces of a turn, then leave it (its generator closed at once: the turn is cancelled)."""
+    history = chat.messages
+    turns = chat.turns
+    got: list[str] = []
+    async with contextlib.aclosing(chat.send(text, **options)) as stream:
+        async for piece in stream:
+            got.append(piece)
+            if len(got) >= pieces:
+                break
+    if chat.turns > turns:  # the turn ended before we left: it is history now
+        assert chat.last_reply is not None
+        tally.finished.append(Finished(history, text, turn_options(chat, options), chat.last_reply.text))
+        tally.outcomes["finished before the cancel"] += 1
+    else:
+        tally.outcomes["cancelled"] += 1
+
+
+async def conversation(model: Model, rng: random.Random, tally: Tally, index: int) -> None:
+    """One conversation's random script of actions; an error its own action did not ask for is a violation."""
+    steps = rng.randint(2, 5)
+    chat = model.chat(system=f"You are guest number {index}.", max_tokens=rng.randint(4, 12), timeout_s=120)
+    closed = False
+    try:
+        for _ in range(steps):
+            action = rng.choice(ACTIONS)
+            tally.actions[action] += 1
+            text = sentence(rng)
+            try:
+                if action == "send":
+                    await finish_turn(chat, tally, text)
+                elif action == "cancel":
+                    await read_then_stop(chat, tally, text, rng.randint(1, 3), min_tokens=8, max_tokens=12)
+                elif action == "timeout":
+                    # Far more tokens than a short deadline allows; a turn that still finishes in time counts too.
+                    history, turns = chat.messages, chat.turns
+                    try:
+                        reply = await chat.ask(text, min_tokens=600, max_tokens=600, timeout_s=0.2)
+                    except RequestTimeout:
+                        tally.outcomes["timed out"] += 1
+                    else:
+                        assert chat.turns == turns + 1
+                        options = turn_options(chat, {"min_tokens": 600, "max_tokens": 600})
+                        tally.finished.append(Finished(history, text, options, reply.text))
+                        tally.outcomes["finished before the deadline"] += 1
+                elif action == "close_mid_turn":
+                    task = asyncio.create_task(read_then_stop(chat, tally, text, 10**6, min_tokens=40, max_tokens=40))
+                    await asyncio.sleep(rng.random() * 0.05)  # any moment: before the request, mid-turn or after
+                    task.cancel()
+                    await asyncio.wait([task])  # not `await task`: its CancelledError is not ours to swallow
+                    if not task.cancelled() and (failure := task.exception()) is not None:
+                        raise failure
+                    await chat.aclose()
+                    closed = True
+                    tally.outcomes["closed mid-turn"] += 1
+                    return
+                elif action == "temperature_tiny":
+                    # A legal positive float: below the server's floor it is greedy, never an overflow.
+                    await finish_turn(chat, tally, text, temperature=1e-39)
+                elif action == "huge_message":
+                    try:
+                        await chat.ask("x" * 10_000_000)
+                    except InvalidArgumentError:
+                        tally.outcomes["refused: huge message"] += 1
+                    else:
+                        tally.violations.append(f"conversation {index}: a 10 MB message was not refused")
+                elif action == "many_stops":
+                    try:
+                        await chat.ask(text, stop=["y" * 10_000] * 200)
+                    except InvalidArgumentError:
+                        tally.outcomes["refused: stop strings"] += 1
+                    else:
+                        tally.violations.append(f"conversation {index}: 200 stop strings of 10 KB were not refused")
+                elif action == "idle":
+                    tally.outcomes["idle"] += 1  # a chat that is open and sends nothing this step
+            except Exception as err:
+                tally.violations.append(f"conversation {index}, action {action}: {type(err).__name__}: {err}"[:400])
+                return
+    finally:
+        if not closed:
+            await chat.aclose()
+
+
+class Ended:
+    """Counts the turns that ended on ``chat_small``: a START refused at the cap waits for a slot to stop generating."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.changed = asyncio.Condition()
+
+    async def bump(self) -> None:
+        async with self.changed:
+            self.count += 1
+            self.changed.notify_all()
+
+    async def after(self, seen: int) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.count > seen)
+
+
+async def small_conversation(model: Model, rng: random.Random, tally: Tally, ended: Ended, index: int) -> None:
+    """On two slots with immediate eviction: conversations take each other's slot; replay keeps them exact.
+
+    A START (or a replay's START) that finds both slots generating is refused with SequenceCapacityError, the
+    documented policy (a generating conversation is never evicted): the chat stays usable, and the turn is sent
+    again once some turn on the model has ended.
+    """
+    async with model.chat(system=f"You are the host number {index}.", max_tokens=6, replay_on_loss=True,
+                          timeout_s=120) as chat:
+        for _ in range(rng.randint(2, 4)):
+            tally.actions["send (chat_small)"] += 1
+            text = sentence(rng)
+            while True:
+                seen = ended.count
+                try:
+                    await finish_turn(chat, tally, text)
+                except SequenceCapacityError:
+                    # Refused before it took a slot: nothing ended, so wait for a turn that did.
+                    tally.outcomes["refused at the cap, sent again"] += 1
+                    await ended.after(seen)
+                    continue
+                except Exception as err:
+                    await ended.bump()
+                    tally.violations.append(f"small conversation {index}: {type(err).__name__}: {err}"[:400])
+                    return
+                await ended.bump()
+                break
+        tally.outcomes["replays"] += chat.replays
+
+
+async def evicted_and_replayed(model: Model, rng: random.Random, tally: Tally) -> None:
+    """Two slots, three conversations in turn: the first loses its slot to the third, and its next turn replays.
+
+    The random scripts may or may not cause an eviction (that depends on how their turns interleave); this one
+    always does, so every run checks a replay.
+    """
+    first = model.chat(system="You keep the inn.", max_tokens=6, replay_on_loss=True, timeout_s=120)
+    second, third = (model.chat(max_tokens=4, timeout_s=120) for _ in range(2))
+    async with first, second, third:
+        await finish_turn(first, tally, sentence(rng))
+        await finish_turn(second, tally, sentence(rng))
+        await finish_turn(third, tally, sentence(rng))  # both slots held, neither generating: the longest idle goes
+        await finish_turn(first, tally, sentence(rng))
+        tally.outcomes["replays"] += first.replays
+        if first.replays != 1:
+            tally.violations.append(f"the evicted conversation replayed {first.replays} times, not once")
+
+
+async def solo_reply(stateless: Model, done: Finished) -> str:
+    """The reply ``chat_stateless`` gives to the whole recorded history sent at once (a conversation of its own)."""
+    messages = [*done.history, ChatMessage("user", done.text)]
+    inputs: dict[str, Any] = {
+        "ROLE": np.array([m.role.encode() for m in messages], dtype=np.object_),
+        "TEXT": np.array([m.text.encode() for m in messages], dtype=np.object_),
+    }
+    for name, value in done.options.items():
+        if name == "temperature":
+            inputs["TEMPERATURE"] = np.array([value], np.float32)
+        else:
+            inputs[name.upper()] = np.array([value], np.int32)
+    reply = b""
+    async for r in stateless.stream(**inputs):
+        reply += bytes(r["PIECE"][0, 0])
+    return reply.decode("utf-8", "replace")
+
+
+async def probe(model: Model) -> tuple[int, int]:
+    """LIVE and KV_BYTES as the model reports them, read with a one-request conversation (START and END at once)."""
+    async with model.sequence() as seq:
+        live = kv = -1
+        inputs = {
+            "ROLE": np.array([b"user"], dtype=np.object_),
+            "TEXT": np.array([b"Hi."], dtype=np.object_),
+            "MAX_TOKENS": np.array([1], np.int32),
+        }
+        async for r in seq.stream(inputs, end=True):
+            if "LIVE" in r.outputs:
+                live, kv = int(r["LIVE"][0, 0]), int(r["KV_BYTES"][0, 0])
+        return live, kv
+
+
+async def run_once(client: Client, seed: int) -> Tally:
+    chat, small, stateless = [await client.model(n) for n in ("chat", "chat_small", "chat_stateless")]
+    rng = random.Random(seed)
+    tally = Tally()
+    baseline = {m.name: await probe(m) for m in (chat, small)}
+    scripts = [conversation(chat, random.Random(rng.random()), tally, i) for i in range(CONVERSATIONS)]
+    ended = Ended()
+    scripts += [
+        small_conversation(small, random.Random(rng.random()), tally, ended, i) for i in range(SMALL_CONVERSATIONS)
+    ]
+    await asyncio.gather(*scripts)
+    await evicted_and_replayed(small, random.Random(rng.random()), tally)
+    after = {m.name: await probe(m) for m in (chat, small)}
+    if after != baseline:
+        tally.violations.append(f"LIVE and KV_BYTES did not return to their baseline: {baseline} before, {after} after")
+    for done in tally.finished:
+        solo = await solo_reply(stateless, done)
+        if solo != done.reply:
+            tally.violations.append(f"a reply differs from its solo replay: {done.reply!r} vs {solo!r} ({done})"[:600])
+    return tally
+
+
+@pytest.fixture
+async def client(triton_server: LocalTriton) -> AsyncIterator[Client]:
+    async with Client(triton_server.grpc_url, timeout_s=120) as c:
+        yield c
+
+
+async def test_chaos_on_the_chat_model(client: Client) -> None:
+    """Seeded random scripts of ordinary and hostile actions at once: exact replies, no harm, state back to baseline."""
+    totals: collections.Counter[str] = collections.Counter()
+    for seed in range(SEED, SEED + RUNS):
+        tally = await run_once(client, seed)
+        print(f"chat chaos seed {seed}: actions {dict(tally.actions)}; outcomes {dict(tally.outcomes)}; "
+              f"{len(tally.finished)} finished turns compared; {len(tally.violations)} violations")
+        assert tally.violations == [], f"seed {seed}: " + "\n".join(tally.violations)
+        assert len(tally.finished) >= CONVERSATIONS // 2
+        totals += tally.outcomes
+    # The runs exercised what they claim to (seeds whose scripts missed these would check less than they say).
+    for outcome in ("cancelled", "timed out", "closed mid-turn", "refused: huge message", "replays"):
+        assert totals[outcome] >= 1, f"no {outcome!r} in seeds {SEED}..{SEED + RUNS - 1}"
