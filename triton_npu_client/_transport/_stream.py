@@ -709,8 +709,17 @@ class OwnStreamCall:
             raise map_error(
                 err, model=self._model, request_id=self._request_id, sequence_id=self._sequence_id
             ) from err
-        except BaseException:
+        except asyncio.CancelledError:
             self._finish()  # cancelled: cancel the call, so the server stops this request's work
+            task = asyncio.current_task()
+            if task is not None and task.cancelling() == 0 and self._past_deadline():
+                # Nobody cancelled this task: grpc raises CancelledError for a call that ended "locally cancelled"
+                # around its deadline (seen under load with a 0.2 s deadline). That is this request's timeout, and
+                # a CancelledError the caller never asked for would tear down whatever awaits it.
+                raise self._timed_out("the call was cancelled at its deadline") from None
+            raise
+        except BaseException:
+            self._finish()
             raise
         if message is grpc.aio.EOF:
             self._finish()
