@@ -436,4 +436,4 @@ def test_one_default_for_coalescing() -> None:
     assert inspect.signature(Client).parameters["coalescing"].default == Coalescing()
     from triton_npu_client import ClientConfig
 
-    assert ClientConfig(url="grpc://127.0.0.1:1").coalescing == Coalescing()
+    assert ClientConfig(urls="grpc://127.0.0.1:1").coalescing == Coalescing()

@@ -63,6 +63,10 @@ if _typing.TYPE_CHECKING:
         SharedMemoryPool,
         SharedMemoryStats,
     )
+    from ._fleet import (
+        FleetOptions,
+        ReplicaStatus,
+    )
     from ._jobs import (
         CheckpointFilesMismatch,
         CheckpointMismatch,
@@ -128,6 +132,8 @@ _LAZY: dict[str, str] = {
     "SharedMemoryPool": "._client",
     "SharedMemoryStats": "._client",
     "Coalescing": "._call",
+    "FleetOptions": "._fleet",
+    "ReplicaStatus": "._fleet",
     "LocalTriton": "._local",
     "default_model_repository": "._local",
     "find_tritonserver": "._local",
@@ -206,6 +212,7 @@ __all__ = [
     "ConnectError",
     "ControlInput",
     "DuplicateInputError",
+    "FleetOptions",
     "InferRequest",
     "InferResult",
     "InputDtypeError",
@@ -231,6 +238,7 @@ __all__ = [
     "PermissionDeniedError",
     "PortInUseError",
     "RayScorer",
+    "ReplicaStatus",
     "RepositoryModel",
     "RequestTimeout",
     "ResumeNotConfirmed",

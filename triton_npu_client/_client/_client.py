@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final, Self, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 import attrs
@@ -21,8 +21,10 @@ from .._errors import (
     RequestTimeout,
     SequenceUsageError,
     ServerUnavailable,
+    TritonError,
     UsageError,
 )
+from .._fleet import DNS_PREFIX, FleetOptions, FleetTransport, Place, ReplicaStatus, Resolver, parse_endpoint
 from .._model import ModelSpec, Plans
 from .._sessions import ChatMessage, ChatSession, SequenceSession
 from .._transport import GrpcTransport, HttpTransport, TLSConfig, Transport
@@ -33,6 +35,8 @@ from ._model import Model
 DEFAULT_COALESCING: Final = Coalescing()
 
 __all__ = ["Client", "ClientConfig", "ModelStatistics", "RepositoryModel", "ServerMetadata"]
+
+T = TypeVar("T")
 
 _DEFAULT_PORTS = {"grpc": 8001, "grpcs": 443, "http": 8000, "https": 443}
 
@@ -61,12 +65,18 @@ def _shown(parts: SplitResult) -> str:
     return f"{parts.scheme}://{host}{port}"
 
 
-def _check_url(_config: object, _attribute: object, url: str) -> None:
-    """A server URL names a scheme and a host, and no credentials: refused with a clear message that quotes none."""
-    parts = urlsplit(url)
+def _check_url(url: str) -> None:
+    """A server URL names a scheme and a host, and no credentials: refused with a clear message that quotes none.
+
+    ``dns+grpc://name:port`` (any of the four schemes) stands for every address record of ``name``: a fleet.
+    """
+    if not isinstance(url, str):
+        raise UsageError(f"a server URL is a string such as 'grpc://127.0.0.1:8001', given {type(url).__name__}")
+    parts = urlsplit(url.removeprefix(DNS_PREFIX))
     if parts.scheme not in _DEFAULT_PORTS:
         raise UsageError(
-            f"unsupported URL scheme {parts.scheme!r} in {_shown(parts)}: use grpc://, grpcs://, http:// or https://"
+            f"unsupported URL scheme {parts.scheme!r} in {_shown(parts)}: use grpc://, grpcs://, http:// or "
+            "https:// (or dns+grpc:// ... for every address of a DNS name)"
         )
     if "@" in parts.netloc:
         # Nothing would send them (the transports connect to host:port), and the URL shows in reprs and messages.
@@ -87,6 +97,24 @@ def _check_url(_config: object, _attribute: object, url: str) -> None:
         raise UsageError(f"the port of the URL {_shown(parts)} is not a number from 0 to 65535") from err
 
 
+def _freeze_urls(value: str | Sequence[str]) -> tuple[str, ...]:
+    urls = (value,) if isinstance(value, str) else tuple(value)
+    if not urls:
+        raise UsageError("no server URL given: pass one URL, or a list of replicas' URLs")
+    return urls
+
+
+def _check_urls(_config: object, _attribute: object, urls: tuple[str, ...]) -> None:
+    for url in urls:
+        _check_url(url)
+    families = {"grpc" if urlsplit(u.removeprefix(DNS_PREFIX)).scheme.startswith("grpc") else "http" for u in urls}
+    if len(families) > 1:
+        raise UsageError(
+            "the URLs of one client must all be gRPC (grpc://, grpcs://) or all HTTP (http://, https://): "
+            + ", ".join(_shown(urlsplit(u.removeprefix(DNS_PREFIX))) for u in urls)
+        )
+
+
 def _freeze_options(
     value: Mapping[str, Any] | Sequence[tuple[str, Any]] | None,
 ) -> tuple[tuple[str, Any], ...]:
@@ -97,12 +125,14 @@ def _freeze_options(
 class ClientConfig:
     """Everything a :class:`Client` is made from; ``client.with_options(...)`` evolves a copy.
 
-    ``url`` is ``scheme://host[:port]``; a URL with user info (``user:password@``), a query or a fragment is refused
-    with :class:`UsageError` (credentials go in ``headers``). ``headers`` keep their values (every call sends them),
-    but the repr shows their names only: every value reads ``***``, whatever the header.
+    ``urls`` are ``scheme://host[:port]``: one server, or several replicas of one (a fleet), where
+    ``dns+scheme://name:port`` stands for every address record of ``name``; a URL with user info
+    (``user:password@``), a query or a fragment is refused with :class:`UsageError` (credentials go in
+    ``headers``). ``headers`` keep their values (every call sends them), but the repr shows their names only:
+    every value reads ``***``, whatever the header. ``fleet`` and ``resolver`` apply to fleets only.
     """
 
-    url: str = attrs.field(validator=_check_url)
+    urls: tuple[str, ...] = attrs.field(converter=_freeze_urls, validator=_check_urls)
     timeout_s: float | None = 60.0
     headers: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_freeze_headers, repr=_redacted_headers)
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
@@ -111,17 +141,26 @@ class ClientConfig:
     coalescing: Coalescing | None = attrs.field(factory=lambda: DEFAULT_COALESCING)
     streams: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     http_connections: int = attrs.field(default=DEFAULT_HTTP_CONNECTIONS, validator=attrs.validators.ge(1))
+    fleet: FleetOptions = attrs.field(factory=FleetOptions)
+    resolver: Resolver | None = attrs.field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        """The first URL (the only one for a client of one server)."""
+        return self.urls[0]
+
+    @property
+    def is_fleet(self) -> bool:
+        """Several URLs, or a DNS name standing for its every address: the client routes over replicas."""
+        return len(self.urls) > 1 or self.urls[0].startswith(DNS_PREFIX)
 
     @property
     def scheme(self) -> str:
-        return urlsplit(self.url).scheme
+        return urlsplit(self.url.removeprefix(DNS_PREFIX)).scheme
 
     def target(self) -> str:
-        """``host:port`` from the URL, with the scheme's default port."""
-        parts = urlsplit(self.url)  # checked when the config was made
-        assert parts.hostname is not None
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        return f"{host}:{parts.port or _DEFAULT_PORTS[parts.scheme]}"
+        """``host:port`` from the (first) URL, with the scheme's default port."""
+        return parse_endpoint(self.url).fixed().target
 
 
 # --- typed admin answers --------------------------------------------------------------------------
@@ -189,13 +228,43 @@ class ModelStatistics:
         )
 
 
+async def _get_text(url: str, timeout_s: float | None) -> str | TritonError:
+    """GET ``url`` as text: the metrics endpoint is plain HTTP on every replica, whatever the inference protocol."""
+    import aiohttp  # comes with tritonclient[http]; imported here, since only the metrics call needs it
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(url) as response,
+        ):
+            if response.status != 200:
+                return ServerUnavailable(f"{url} answered HTTP {response.status}", status=str(response.status))
+            return await response.text()
+    except (aiohttp.ClientError, TimeoutError) as err:
+        return ConnectError(f"{url}: {type(err).__name__}: {err}")
+
+
 def _make_transport(config: ClientConfig) -> Transport:
-    scheme = config.scheme
-    target = config.target()
+    if config.is_fleet:
+        return FleetTransport(
+            [parse_endpoint(u) for u in config.urls],
+            lambda place: _one_transport(config, place),
+            options=config.fleet,
+            resolver=config.resolver,
+        )
+    return _one_transport(config, parse_endpoint(config.url).fixed())
+
+
+def _one_transport(config: ClientConfig, place: Place) -> Transport:
+    scheme = urlsplit(place.url).scheme
+    target = place.target
     headers = dict(config.headers)
     tls = config.tls
     if scheme in ("grpcs", "https") and tls is None:
         tls = TLSConfig()  # system roots
+    if tls is not None and place.server_name is not None and tls.server_name is None:
+        # An address found through DNS: the certificate names the DNS name, not the address.
+        tls = attrs.evolve(tls, server_name=place.server_name)
     if scheme in ("grpc", "grpcs"):
         return GrpcTransport(
             target, headers=headers, tls=tls, channel_options=config.channel_options, streams=config.streams
@@ -204,7 +273,7 @@ def _make_transport(config: ClientConfig) -> Transport:
 
 
 class Client:
-    """An async client for one Triton server.
+    """An async client for one Triton server, or for several replicas of one (a fleet).
 
     ::
 
@@ -228,6 +297,14 @@ class Client:
     ``Coalescing(models="batched")`` extends it to every batched model; ``None`` turns it off (see
     :class:`Coalescing`).
 
+    **A fleet**: ``Client(["grpc://a:8001", "grpc://b:8001"])``, or ``Client("dns+grpc://triton.ns.svc:8001")``
+    for every address record of a name (a Kubernetes headless Service; re-resolved every
+    ``fleet.resolve_interval_s``; ``resolver`` replaces the system resolver). Stateless requests go to the least
+    loaded healthy replica and move on when one fails; every sequence and chat is pinned to one replica by
+    rendezvous hashing of its id, so separate processes agree; a sequence whose replica fails raises
+    :class:`SequenceLost` (a chat with ``replay_on_loss=True`` replays on another). Replicas are health-checked
+    per ``fleet`` (:class:`FleetOptions`); :meth:`replicas` shows them. Everything else is the same API.
+
     ``streams``: how many long-lived gRPC streams the shared stream route spreads over (gRPC).
     ``http_connections``: HTTP connections open at once; more concurrent requests wait on this side, visibly
     (a sequence step that waited past its model's idle timeout is warned about when it leaves).
@@ -235,7 +312,7 @@ class Client:
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         timeout_s: float | None = 60.0,
         headers: Mapping[str, str] | None = None,
@@ -246,9 +323,11 @@ class Client:
         streams: int = 4,
         http_connections: int = DEFAULT_HTTP_CONNECTIONS,
         transport: Transport | None = None,
+        fleet: FleetOptions | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         config = ClientConfig(
-            url=url,
+            urls=url,
             timeout_s=timeout_s,
             headers=headers,  # the converter freezes it
             retry=retry if retry is not None else RetryPolicy(),
@@ -257,6 +336,8 @@ class Client:
             coalescing=coalescing,
             streams=streams,
             http_connections=http_connections,
+            fleet=fleet if fleet is not None else FleetOptions(),
+            resolver=resolver,
         )
         self._init(config, transport if transport is not None else _make_transport(config), owns=True)
 
@@ -279,7 +360,11 @@ class Client:
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
-        return f"<Client {_shown(urlsplit(self._config.url))}{state}>"
+        shown = ", ".join(
+            ("dns+" if u.startswith(DNS_PREFIX) else "") + _shown(urlsplit(u.removeprefix(DNS_PREFIX)))
+            for u in self._config.urls
+        )
+        return f"<Client {shown}{state}>"
 
     # -- configuration and lifecycle ------------------------------------------------------------------
 
@@ -442,6 +527,86 @@ class Client:
         self._check_open()
         raw = await self._transport.inference_statistics(name, version, timeout_s=self._timeout(timeout_s))
         return tuple(ModelStatistics.from_json(m) for m in raw)
+
+    # -- replicas ---------------------------------------------------------------------------------------
+
+    async def replicas(self, *, refresh: bool = False) -> tuple[ReplicaStatus, ...]:
+        """Each replica's health, READY models, load and latency (:class:`ReplicaStatus`), in URL order.
+
+        A fleet reports what its background checks and its own calls have seen (``refresh=True`` checks every
+        replica first). A client of one server checks it now; its load and latency figures are not kept (zero).
+        """
+        self._check_open()
+        transport = self._transport
+        if isinstance(transport, FleetTransport):
+            if refresh:
+                await transport.refresh()
+            else:
+                await transport.ready()
+            return transport.replica_status()
+        limit = self._config.fleet.health_timeout_s
+        error: str | None = None
+        models: tuple[str, ...] = ()
+        try:
+            healthy = await transport.is_server_ready(timeout_s=limit)
+            if healthy:
+                index = await transport.repository_index(timeout_s=limit)
+                models = tuple(sorted(str(m.get("name", "")) for m in index if m.get("state") == "READY"))
+        except TritonError as err:
+            healthy, error = False, f"{type(err).__name__}: {err}"
+        url = self._config.url
+        return (
+            ReplicaStatus(
+                url=url, healthy=healthy, models=models, outstanding=0, requests=0, errors=0, latency_p50_ms=None,
+                latency_p99_ms=None, pinned=0, epoch=0, last_error=error, down_for_s=None,
+            ),
+        )  # fmt: skip
+
+    async def replica_statistics(
+        self, name: str, *, version: str = "", timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    ) -> dict[str, tuple[ModelStatistics, ...] | TritonError]:
+        """Triton's statistics of ``name`` on each replica (URL -> per-version statistics, or the error it gave).
+
+        :meth:`inference_statistics` gives the same figures summed over the healthy replicas.
+        """
+        self._check_open()
+        limit = self._timeout(timeout_s)
+
+        async def ask(transport: Transport) -> tuple[ModelStatistics, ...]:
+            raw = await transport.inference_statistics(name, version, timeout_s=limit)
+            return tuple(ModelStatistics.from_json(m) for m in raw)
+
+        return await self._each_replica(ask)
+
+    async def replica_metrics(
+        self, *, port: int = 8002, timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    ) -> dict[str, str | TritonError]:
+        """Each replica's Prometheus metrics text (``http://HOST:port/metrics``; Triton's default metrics port is
+        8002, the same on every pod of a Deployment). URL -> the text, or the error it gave."""
+        self._check_open()
+        limit = self._timeout(timeout_s)
+
+        async def fetch(url: str) -> str | TritonError:
+            host = urlsplit(url).hostname or ""
+            host = f"[{host}]" if ":" in host else host
+            return await _get_text(f"http://{host}:{port}/metrics", limit)
+
+        transport = self._transport
+        urls = [self._config.url]
+        if isinstance(transport, FleetTransport):
+            await transport.ready()
+            urls = [s.url for s in transport.replica_status()]
+        answers = await asyncio.gather(*(fetch(u) for u in urls))
+        return dict(zip(urls, answers, strict=True))
+
+    async def _each_replica(self, ask: Callable[[Transport], Awaitable[T]]) -> dict[str, T | TritonError]:
+        transport = self._transport
+        if isinstance(transport, FleetTransport):
+            return await transport.each_replica(ask)
+        try:
+            return {self._config.url: await ask(transport)}
+        except TritonError as err:
+            return {self._config.url: err}
 
     # -- models and inference -------------------------------------------------------------------------
 
