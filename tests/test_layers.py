@@ -16,6 +16,7 @@ ROOT = "triton_npu_client"
 RANK = {
     "_version": 0,
     "_errors": 0,
+    "_trace": 0,  # optional OpenTelemetry spans: imports nothing of the package
     "_wire": 1,
     "_local": 1,
     "_transport": 2,
