@@ -17,7 +17,7 @@ from types import FrameType
 from .._errors import TritonError
 from .._local import LocalTriton
 from .._version import __version__
-from . import _chat, _score
+from . import _chat, _fleet, _score
 
 __all__ = ["main"]
 
@@ -114,6 +114,7 @@ COMMANDS["stubs"] = (_stubs_args, _stubs, "generate typed input/output classes f
 
 COMMANDS["chat"] = (_chat.add_arguments, _chat.run, "chat with a chat model in the terminal, replies streamed")
 COMMANDS["score"] = (_score.add_arguments, _score.run, "score a file of rows through a model; resumable, in order")
+COMMANDS["fleet"] = (_fleet.add_arguments, _fleet.run, "each replica's health, READY models and load, one line each")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Final, TextIO
 
 from .._errors import TritonError, UsageError
 from .._local import LocalTriton, default_model_repository
+from ._urls import URL_HELP, add_url_argument, checked_urls
 
 if TYPE_CHECKING:
     from .._sessions import ChatReply, ChatSession
@@ -48,7 +49,7 @@ _PROMPT: Final = "> "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=None, help="server URL, grpc://HOST:PORT (default: start an embedded server)")
+    add_url_argument(p, help=URL_HELP + " (default: start an embedded server)")
     p.add_argument("--model", default="chat", help="chat model name (default: chat)")
     p.add_argument("--system", default=None, help="system message sent with the first turn")
     p.add_argument("--max-tokens", type=int, default=None, help="most tokens per reply (default: the model's)")
@@ -203,8 +204,9 @@ async def _session(ns: argparse.Namespace, keys: _Keys, out: TextIO, err: TextIO
 
     # Checked first: a bad option must not wait for an embedded server to start.
     ChatOptions(max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, temperature=ns.temperature, seed=ns.seed)
+    urls = checked_urls(ns.url)
     async with contextlib.AsyncExitStack() as stack:
-        url = ns.url
+        url: str | tuple[str, ...] | None = urls
         if url is None:
             packaged = default_model_repository() / ns.model
             if not (packaged / "config.pbtxt").is_file():

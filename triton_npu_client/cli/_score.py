@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from .._errors import JobAborted, ModelNotFoundError, TritonError, UsageError
 from .._local import LocalTriton, default_model_repository
+from ._urls import URL_HELP, add_url_argument, checked_urls
 
 __all__ = ["EXIT_CODES", "add_arguments", "run"]
 
@@ -139,7 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-line-bytes", type=_positive_int, default=None,
                    help="a longer line of a JSONL, CSV or text input is an error row (default 8 MiB)")
     p.add_argument("--shared-memory", action="store_true", help="send tensors through system shared memory")
-    p.add_argument("--url", default=None, help="server (grpc://host:port or http://...); default: start one here")
+    add_url_argument(p, help=URL_HELP + "; default: start one here")
     p.add_argument("--commit-every", type=_positive_float, default=1.0, help="seconds between commits (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     p.add_argument("--startup-timeout", type=_positive_float, default=180.0,
@@ -152,6 +153,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _preflight(ns: argparse.Namespace) -> None:
     """Every check that needs no server: paths, formats, the checkpoint, the input's own structure."""
+    checked_urls(ns.url)
     from .._jobs import plan_job
     from .._jobs._formats import read_rows
     from .._jobs._safety import InputFileError, JobPathError
@@ -177,7 +179,7 @@ async def _main(ns: argparse.Namespace) -> int:
     from .._jobs import score
 
     async with contextlib.AsyncExitStack() as stack:
-        url = ns.url
+        url: str | tuple[str, ...] | None = checked_urls(ns.url)
         if url is None:
             print(f"starting tritonserver for model {ns.model!r} ...", file=sys.stderr, flush=True)
             server = LocalTriton(
