@@ -145,26 +145,39 @@ class Span:
             span.set_status(trace.Status(trace.StatusCode.ERROR, outcome))
         span.end()
 
-    async def iterate(self, responses: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    def iterate(self, responses: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """``responses`` with this span current while each is awaited (a fleet opens the call at the first one) and
         the first one's arrival recorded. The span is not current while the caller holds a response."""
-        while True:
-            token = self.attach()
-            try:
-                item = await anext(responses)
-            except StopAsyncIteration:
-                return
-            finally:
-                self.detach(token)
-            self.set_first_response()
-            yield item
+        return _Iterate(self, responses)
+
+
+class _Iterate:
+    # A plain iterator, not an async generator: one left unfinished holds nothing to finalise.
+    __slots__ = ("_responses", "_span")
+
+    def __init__(self, span: Span, responses: AsyncIterator[Any]) -> None:
+        self._span = span
+        self._responses = responses
+
+    def __aiter__(self) -> _Iterate:
+        return self
+
+    async def __anext__(self) -> Any:
+        span = self._span
+        token = span.attach()
+        try:
+            item = await anext(self._responses)
+        finally:
+            span.detach(token)
+        span.set_first_response()
+        return item
 
 
 def start(
     name: str,
     *,
     model: str,
-    version: str = "",
+    version: str | None = None,
     sequence_id: int | str | None = None,
     parent: Span | None = None,
 ) -> Span | None:

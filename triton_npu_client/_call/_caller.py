@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Final
 
+from .. import _trace
 from .._errors import ClientClosedError, TritonError
 from .._transport import Transport
 from .._transport._base import OnSend, Responses, Route
@@ -89,23 +90,79 @@ class Caller:
         """A stateless request answered once: coalesced when enabled and eligible, retried per the policy."""
         if self.closed:
             raise ClientClosedError("the client this model handle belongs to is closed")
+        if _trace.AVAILABLE:
+            span = _trace.start("triton.infer", model=request.model, version=request.version)
+            if span is not None:
+                return await self._infer_traced(
+                    span, request, timeout_s, request_id, retry, max_batch_size, dynamic_batching
+                )
+        return await self._infer(request, timeout_s, request_id, retry, max_batch_size, dynamic_batching)
+
+    async def _infer_traced(
+        self,
+        span: _trace.Span,
+        request: InferRequest,
+        timeout_s: float | None,
+        request_id: str,
+        retry: bool,
+        max_batch_size: int,
+        dynamic_batching: bool,
+    ) -> InferResult:
+        # Current for the whole call (one task): the transport sends its context, the fleet notes its replica.
+        token = span.attach()
+        try:
+            result = await self._infer(request, timeout_s, request_id, retry, max_batch_size, dynamic_batching, span)
+        except BaseException as err:
+            span.finish(err)
+            raise
+        finally:
+            span.detach(token)
+        span.set_first_response()
+        span.finish()
+        return result
+
+    async def _infer(
+        self,
+        request: InferRequest,
+        timeout_s: float | None,
+        request_id: str,
+        retry: bool,
+        max_batch_size: int,
+        dynamic_batching: bool,
+        span: _trace.Span | None = None,
+    ) -> InferResult:
         coalescer = self.coalescer
         policy = self.retry if retry else NO_RETRY
         if coalescer is not None and not request_id and coalescer.eligible(
             request, max_batch_size=max_batch_size, dynamic_batching=dynamic_batching
         ):
+            if span is not None:
+                span.set("triton.coalesced", True)
             return await coalescer.infer(
                 request,
                 timeout_s=timeout_s,
                 max_batch_size=max_batch_size,
                 # The merged request's own budget (its earliest member's), not this caller's whole timeout.
-                send=lambda merged, budget_s: self._send(merged, budget_s, "", policy),
+                send=lambda merged, budget_s: self._send(merged, budget_s, "", policy, span),
             )
         return await self._send(request, timeout_s, request_id, policy)
 
     async def _send(
-        self, request: InferRequest, timeout_s: float | None, request_id: str, policy: RetryPolicy
+        self,
+        request: InferRequest,
+        timeout_s: float | None,
+        request_id: str,
+        policy: RetryPolicy,
+        span: _trace.Span | None = None,
     ) -> InferResult:
+        if span is not None:
+            # A merged request is sent from the coalescer's task: it carries the span of the caller whose send it
+            # took (the batch's oldest), so Triton's span of the batch hangs under that caller's span.
+            token = span.attach()
+            try:
+                return await self._send(request, timeout_s, request_id, policy)
+            finally:
+                span.detach(token)
         transport = self.transport
         # The first attempt is the hot path: no retry machinery unless it fails with something retriable.
         started = time.monotonic()

@@ -55,6 +55,7 @@ from typing import Any, Final, Self, cast
 import attrs
 import numpy as np
 
+from .. import _trace
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
 from .._errors import (
     InternalServerError,
@@ -569,24 +570,48 @@ class ChatSession:
     ) -> AsyncGenerator[str, None]:
         self._refuse_busy()  # again: another turn may have started since send() was called
         self._streaming = True
+        span = None
+        if _trace.AVAILABLE:
+            seq = self._seq
+            span = _trace.start("triton.chat.turn", model=seq.model, version=seq.spec.version,
+                                sequence_id=seq.sequence_id)
         started = time.perf_counter()
         yielded = False
         replayed = False
         try:
             while True:
+                self._seq._trace_parent = span  # the step's span hangs under the turn's
                 try:
                     async for text in self._attempt(user, options, timeout_s, started, replayed=replayed):
+                        if not yielded and span is not None:
+                            span.set_first_response()
                         yielded = True
                         yield text
-                    return
+                    break
                 except SequenceLost:
                     # Only a turn that showed nothing yet can start again elsewhere; once only.
                     if self._closed or yielded or replayed or not self._replay_on_loss:
                         raise
+                finally:
+                    self._seq._trace_parent = None
                 await self._renew()
                 replayed = True
+        except BaseException as err:
+            if span is not None:
+                self._end_span(span, replayed, err)
+            raise
         finally:
             self._streaming = False
+        if span is not None:
+            self._end_span(span, replayed, None)
+
+    def _end_span(self, span: _trace.Span, replayed: bool, err: BaseException | None) -> None:
+        span.set("triton.sequence_id", str(self._seq.sequence_id))  # a replay's is a new one
+        span.set("triton.chat.replayed", replayed)
+        reply = self._last_reply
+        if err is None and reply is not None:
+            span.set("triton.chat.tokens", reply.tokens)
+        span.finish(err)
 
     async def _attempt(
         self, user: ChatMessage, options: ChatOptions, timeout_s: float | None, started: float, *, replayed: bool

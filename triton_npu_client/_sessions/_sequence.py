@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Final, Protocol, Self
 
+from .. import _trace
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
 from .._call._caller import Caller
 from .._errors import (
@@ -228,6 +229,8 @@ class SequenceSession:
         # session cancels it and sends END without waiting for it.
         self._rolled_back_call: Responses | None = None
         self._closed_under: Responses | None = None  # that call, once aclose() cancelled it
+        # The chat turn's span while a turn streams here: its steps' spans hang under it (set by ChatSession).
+        self._trace_parent: _trace.Span | None = None
 
     def __repr__(self) -> str:
         state = "lost" if self._loss is not None else "ended" if self._ended else "open"
@@ -325,52 +328,65 @@ class SequenceSession:
         one carries START again). Closing the session while such a step streams cancels it and sends END at once.
         """
         request = self._build(inputs, named)
-        self._refuse()
-        async with self._lock:
+        span = self._span(end) if _trace.AVAILABLE else None
+        try:
             self._refuse()
-            start = self._acked == 0
-            decoupled = self._spec.decoupled
-            responses = self._send(
-                request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
-                route="own" if decoupled else self._route, many=decoupled,
-            )
-            if rolled_back:
-                self._rolled_back_call = responses
-            answered = False
-            finished = False
-            try:
+            async with self._lock:
+                self._refuse()
+                start = self._acked == 0
+                decoupled = self._spec.decoupled
+                token = span.attach() if span is not None else None  # never across a yield: the send only
                 try:
-                    async for result in responses:
-                        if not answered:
-                            answered = True
-                            self._acknowledged(end=False)
-                        yield result
-                except asyncio.CancelledError:
-                    if not self._closed_by_aclose(responses):
+                    responses = self._send(
+                        request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
+                        route="own" if decoupled else self._route, many=decoupled,
+                    )
+                finally:
+                    if span is not None:
+                        span.detach(token)
+                if rolled_back:
+                    self._rolled_back_call = responses
+                answered = False
+                finished = False
+                try:
+                    try:
+                        async for result in responses if span is None else span.iterate(responses):
+                            if not answered:
+                                answered = True
+                                self._acknowledged(end=False)
+                            yield result
+                    except asyncio.CancelledError:
+                        if not self._closed_by_aclose(responses):
+                            raise
+                    if self._closed_under is responses:
+                        raise self._closed_while_streaming() from None
+                    finished = True
+                except TritonError as err:
+                    if self._closed_under is responses and isinstance(err, SequenceClosedError):
                         raise
-                if self._closed_under is responses:
-                    raise self._closed_while_streaming() from None
-                finished = True
-            except TritonError as err:
-                if self._closed_under is responses and isinstance(err, SequenceClosedError):
-                    raise
-                if rolled_back and isinstance(err, RequestTimeout):
-                    raise  # rolled back on the server like a cancel: neither acknowledged nor lost
-                # A refused rolled-back step left nothing behind, so its refusal is no acknowledgement: after a
-                # refused first step (an input over a cap, the slot cap) the next one carries START again.
-                finished = not rolled_back
-                raise self._failed(err, start=start) from err
-            finally:
-                if self._rolled_back_call is responses:
-                    self._rolled_back_call = None
-                # Cut short (cancelled, or the loop left early): closing cancels the call on the server. An END
-                # step cut short may not have been applied, so _needs_end stays set and the close re-sends END.
-                await responses.aclose()
-                if finished:
-                    if not answered:
-                        self._acknowledged(end=end)  # a step answered by the final flag alone
-                    elif end:
-                        self._needs_end = False
+                    if rolled_back and isinstance(err, RequestTimeout):
+                        raise  # rolled back on the server like a cancel: neither acknowledged nor lost
+                    # A refused rolled-back step left nothing behind, so its refusal is no acknowledgement: after a
+                    # refused first step (an input over a cap, the slot cap) the next one carries START again.
+                    finished = not rolled_back
+                    raise self._failed(err, start=start) from err
+                finally:
+                    if self._rolled_back_call is responses:
+                        self._rolled_back_call = None
+                    # Cut short (cancelled, or the loop left early): closing cancels the call on the server. An END
+                    # step cut short may not have been applied, so _needs_end stays set and the close re-sends END.
+                    await responses.aclose()
+                    if finished:
+                        if not answered:
+                            self._acknowledged(end=end)  # a step answered by the final flag alone
+                        elif end:
+                            self._needs_end = False
+        except BaseException as err:
+            if span is not None:
+                span.finish(err)
+            raise
+        if span is not None:
+            span.finish()
 
     def _closed_by_aclose(self, responses: Responses) -> bool:
         """Whether a cancellation that reached a step's reader came from aclose() cancelling the step's call,
@@ -422,7 +438,38 @@ class SequenceSession:
             on_send=None if start else self._idle_check(),
         )
 
+    def _span(self, end: bool) -> _trace.Span | None:
+        span = _trace.start(
+            "triton.sequence.step",
+            model=self._spec.name,
+            version=self._spec.version,
+            sequence_id=self._id,
+            parent=self._trace_parent,
+        )
+        if span is not None and end:
+            span.set("triton.sequence.end", True)
+        return span
+
     async def _step(self, request: InferRequest, *, end: bool, timeout_s: float | None) -> InferResult:
+        if _trace.AVAILABLE:
+            span = self._span(end)
+            if span is not None:
+                # Current for the whole step (one task): the transport sends its context, the fleet notes its
+                # replica when it opens the call.
+                token = span.attach()
+                try:
+                    result = await self._step_call(request, end=end, timeout_s=timeout_s)
+                except BaseException as err:
+                    span.finish(err)
+                    raise
+                finally:
+                    span.detach(token)
+                span.set_first_response()
+                span.finish()
+                return result
+        return await self._step_call(request, end=end, timeout_s=timeout_s)
+
+    async def _step_call(self, request: InferRequest, *, end: bool, timeout_s: float | None) -> InferResult:
         self._refuse()
         async with self._lock:
             self._refuse()  # the state may have changed while this caller queued

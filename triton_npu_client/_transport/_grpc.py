@@ -17,6 +17,7 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from .. import _trace
 from .._errors import ClientClosedError, ConnectError, ServerUnavailable, TritonError, UsageError
 from .._errors._classify import map_error
 from .._wire import InferRequest, InferResult
@@ -55,7 +56,7 @@ def _to_dict(message: Any) -> Json:
 class _UnaryCall(OneResponse):
     """One ``ModelInfer`` RPC: the one response, sent when first awaited."""
 
-    __slots__ = ("_on_send", "_payload", "_request", "_request_id", "_sequence_id", "_timeout_s",
+    __slots__ = ("_metadata", "_on_send", "_payload", "_request", "_request_id", "_sequence_id", "_timeout_s",
                  "_transport")
 
     def __init__(
@@ -67,11 +68,13 @@ class _UnaryCall(OneResponse):
         sequence_id: int | str | None,
         timeout_s: float | None,
         on_send: OnSend | None,
+        metadata: tuple[tuple[str, str], ...],
     ) -> None:
         super().__init__()
         self._transport = transport
         self._request = request
         self._payload = payload
+        self._metadata = metadata
         self._request_id = request_id
         self._sequence_id = sequence_id
         self._timeout_s = timeout_s
@@ -83,7 +86,7 @@ class _UnaryCall(OneResponse):
         transport = self._transport
         try:
             # Cancelling the awaiting task cancels this call: grpc.aio turns CancelledError into an RPC cancel.
-            response = await transport._infer(self._payload, metadata=transport._metadata, timeout=self._timeout_s)
+            response = await transport._infer(self._payload, metadata=self._metadata, timeout=self._timeout_s)
         except grpc.RpcError as err:
             request = self._request
             raise transport._map(
@@ -200,6 +203,11 @@ class GrpcTransport:
     ) -> Responses:
         if self._closed:
             raise ClientClosedError(f"the gRPC connection to {self.target} is closed")
+        metadata = self._metadata
+        if _trace.AVAILABLE and route != "shared":
+            # The current span's context for Triton's own trace. Not on the shared stream: Triton reads a stream's
+            # trace context once, from the metadata that opened it, for every request the stream carries.
+            metadata = _trace.grpc_metadata(metadata)
         if route == "unary":
             if many:
                 raise UsageError(
@@ -213,7 +221,7 @@ class GrpcTransport:
                 sequence_end=sequence_end,
                 timeout_us=server_timeout_us(timeout_s, sequence_id),
             )
-            return _UnaryCall(self, request, payload, request_id, sequence_id, timeout_s, on_send)
+            return _UnaryCall(self, request, payload, request_id, sequence_id, timeout_s, on_send, metadata)
         timeout_us = server_timeout_us(timeout_s, sequence_id)
 
         def encode(stream_request_id: str, empty_final: bool) -> bytes:
@@ -232,7 +240,7 @@ class GrpcTransport:
             return self.multiplexer().call(outgoing, key=sequence_id, many=many, timeout_s=timeout_s, on_send=on_send)
         if route == "own":
             return OwnStreamCall(
-                self._own_stream, outgoing, metadata=self._metadata, many=many, timeout_s=timeout_s, on_send=on_send
+                self._own_stream, outgoing, metadata=metadata, many=many, timeout_s=timeout_s, on_send=on_send
             )
         raise UsageError(f"unknown route {route!r}")
 

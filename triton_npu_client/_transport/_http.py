@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import tritonclient.http.aio as httpclient
 
+from .. import _trace
 from .._errors import ClientClosedError, UsageError
 from .._errors._classify import map_error
 from .._wire import InferRequest, InferResult
@@ -35,7 +36,7 @@ DEFAULT_HTTP_CONNECTIONS: Final = 1024
 class _HttpCall(OneResponse):
     """One HTTP inference request: the one response, sent when first awaited."""
 
-    __slots__ = ("_kwargs", "_on_send", "_request", "_timeout_s", "_transport")
+    __slots__ = ("_headers", "_kwargs", "_on_send", "_request", "_timeout_s", "_transport")
 
     def __init__(
         self,
@@ -44,9 +45,11 @@ class _HttpCall(OneResponse):
         timeout_s: float | None,
         on_send: OnSend | None,
         kwargs: dict[str, Any],
+        headers: dict[str, str] | None,
     ) -> None:
         super().__init__()
         self._transport = transport
+        self._headers = headers
         self._request = request
         self._timeout_s = timeout_s
         self._on_send = on_send
@@ -72,9 +75,10 @@ class _HttpCall(OneResponse):
                         request.http_inputs(),
                         model_version=request.version,
                         outputs=request.http_outputs(),
-                        # A copy: tritonclient writes Inference-Header-Content-Length into the dict it is given,
-                        # and a stale value breaks the next request that has no binary data (an END-only step).
-                        headers=dict(transport._headers) if transport._headers else None,
+                        # A copy per call (made in call()): tritonclient writes Inference-Header-Content-Length into
+                        # the dict it is given, and a stale value breaks the next request that has no binary data
+                        # (an END-only step).
+                        headers=self._headers,
                         **kwargs,
                     )
         except Exception as err:
@@ -164,7 +168,11 @@ class HttpTransport:
             "sequence_end": sequence_end,
             "timeout": server_timeout_us(timeout_s, sequence_id),
         }
-        return _HttpCall(self, request, timeout_s, on_send, kwargs)
+        if _trace.AVAILABLE:
+            headers = _trace.http_headers(self._headers)  # with the current span's trace context, for Triton's own
+        else:
+            headers = dict(self._headers) if self._headers else None
+        return _HttpCall(self, request, timeout_s, on_send, kwargs, headers)
 
     async def is_server_live(self, *, timeout_s: float | None) -> bool:
         return bool(await self._call(self._client.is_server_live(headers=self._headers), timeout_s))

@@ -363,6 +363,9 @@ class StreamMultiplexer:
     Requests with the same ``key`` travel on the same stream, so Triton receives them in the order they are
     sent. At most ``max_pending`` requests are in flight; more wait for a slot before they are sent. The
     channel belongs to the caller: :meth:`aclose` ends the streams, not the channel.
+
+    No request here carries a trace context (``traceparent``) of its own: Triton 2.51 reads it from the metadata
+    that opened the stream, for every request on it, so the streams open with the client's headers alone.
     """
 
     def __init__(
