@@ -58,6 +58,8 @@ class Result:
     mixups: int  # answered steps whose COUNT or MEAN is not this sequence's own
     first_error: str | None
     per_replica: tuple[tuple[str, int], ...]  # (url, steps it served), from the client's own counts
+    client_cpu_s: float  # this process's CPU time over the run (all threads, grpc's included)
+    avg_batch: float  # the servers' executed batch size over the run (inferences / executions)
 
     @property
     def done(self) -> int:
@@ -110,21 +112,35 @@ async def run(client: Client, servers: int, sessions: int, steps: int) -> Result
     # Warm-up, not measured: connections open, each server's batcher and model have run.
     await asyncio.gather(*(one_session(model, s, 3, [], _started()) for s in range(min(sessions, 30))))
     before = {r.url: r.requests for r in await client.replicas()}
+    counts_before = await batch_counts(client)
     latencies: list[float] = []
     start = asyncio.Event()
     tasks = [asyncio.create_task(one_session(model, s, steps, latencies, start)) for s in range(sessions)]
     await asyncio.sleep(0)  # every session is waiting on the start line
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     start.set()
     outcomes = await asyncio.gather(*tasks)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    inferences, executions = (a - b for a, b in zip(await batch_counts(client), counts_before, strict=True))
     errors = [e for _, e in outcomes if e is not None]
     per_replica = tuple((r.url, r.requests - before.get(r.url, 0)) for r in await client.replicas())
     return Result(
         servers=servers, sessions=sessions, steps=steps, seconds=seconds, latencies_s=tuple(latencies),
         errors=len(errors), mixups=sum(m for m, _ in outcomes), first_error=errors[0] if errors else None,
-        per_replica=per_replica,
+        per_replica=per_replica, client_cpu_s=cpu, avg_batch=inferences / executions if executions else 0.0,
     )  # fmt: skip
+
+
+async def batch_counts(client: Client) -> tuple[int, int]:
+    """(inferences, executions) of the model, summed over the replicas (Triton's statistics; they trail the
+    answers by a moment, which over tens of thousands of steps does not show)."""
+    inferences = executions = 0
+    for answer in (await client.replica_statistics(MODEL)).values():
+        if isinstance(answer, TritonError):
+            continue
+        inferences += sum(s.inference_count for s in answer)
+        executions += sum(s.execution_count for s in answer)
+    return inferences, executions
 
 
 def _started() -> asyncio.Event:
@@ -205,7 +221,7 @@ async def bench(ns: argparse.Namespace) -> tuple[list[Result], str]:
 
 def table(results: Sequence[Result]) -> str:
     header = ["servers", "sessions", "steps", "wall s", "steps/s", "p50 ms", "p99 ms", "errors", "mix-ups",
-              "vs one server"]  # fmt: skip
+              "vs one server", "avg batch", "client CPU s"]  # fmt: skip
     one = next((r for r in results if r.servers == 1), None)
     lines = [header]
     for r in results:
@@ -213,6 +229,7 @@ def table(results: Sequence[Result]) -> str:
         lines.append([
             str(r.servers), f"{r.sessions:,}", f"{r.done:,} of {r.sessions * r.steps:,}", f"{r.seconds:.1f}",
             f"{r.steps_s:,.0f}", f"{r.pct_ms(50):.1f}", f"{r.pct_ms(99):.1f}", str(r.errors), str(r.mixups), ratio,
+            f"{r.avg_batch:.1f}", f"{r.client_cpu_s:.1f}",
         ])  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |" for line in lines]
