@@ -63,6 +63,10 @@ async def _ready_models_and_infer(url: str, n: int) -> tuple[str, ...]:
         for i in range(n):
             out = await model.infer(INPUT0=np.array([i], np.float32))
             assert out["OUTPUT0"].reshape(-1).tolist() == [2.0 * i]
+        # Triton counts a request in its statistics just after answering it: wait until it has counted ours.
+        async with asyncio.timeout(30):
+            while sum(st.success_count for st in await client.inference_statistics(MODEL)) < n:
+                await asyncio.sleep(0.01)
         index = await client.repository_index()
         return tuple(sorted(m.name for m in index if m.state == "READY"))
 
