@@ -266,9 +266,21 @@ def _one_transport(config: ClientConfig, place: Place) -> Transport:
         # An address found through DNS: the certificate names the DNS name, not the address.
         tls = attrs.evolve(tls, server_name=place.server_name)
     if scheme in ("grpc", "grpcs"):
-        return GrpcTransport(
-            target, headers=headers, tls=tls, channel_options=config.channel_options, streams=config.streams
-        )
+        options: dict[str, Any] = {}
+        if config.is_fleet:
+            fleet = config.fleet
+            options = {
+                # A replica's channel of its own: gRPC shares subchannels between channels to one target, so the
+                # fresh connection a probe opens after an outage would otherwise inherit the old one's backoff.
+                "grpc.use_local_subchannel_pool": 1,
+                # Reconnect at the fleet's probing pace, not gRPC's default (1 s doubling to 120 s): a replica
+                # that is back must not stay unreachable for minutes behind a backoff nobody chose.
+                "grpc.initial_reconnect_backoff_ms": max(1, int(fleet.probe_backoff_s * 1000)),
+                "grpc.min_reconnect_backoff_ms": max(1, int(fleet.probe_backoff_s * 1000)),
+                "grpc.max_reconnect_backoff_ms": max(1, int(fleet.max_probe_backoff_s * 1000)),
+            }
+        options.update(dict(config.channel_options))  # the user's own options win
+        return GrpcTransport(target, headers=headers, tls=tls, channel_options=options, streams=config.streams)
     return HttpTransport(target, headers=headers, tls=tls, connections=config.http_connections)
 
 
@@ -561,6 +573,19 @@ class Client:
                 latency_p99_ms=None, pinned=0, epoch=0, last_error=error, down_for_s=None,
             ),
         )  # fmt: skip
+
+    async def replica_for(self, model: str, sequence_id: int | str) -> str | None:
+        """The URL of the replica that holds sequence ``sequence_id`` of ``model`` (or would take its START now).
+
+        Every process that sees the same healthy replicas gives the same answer (rendezvous hashing); a client of
+        one server answers its URL. None when no replica is healthy.
+        """
+        self._check_open()
+        transport = self._transport
+        if not isinstance(transport, FleetTransport):
+            return self._config.url
+        await transport.ready()
+        return transport.placement(model, sequence_id)
 
     async def replica_statistics(
         self, name: str, *, version: str = "", timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT

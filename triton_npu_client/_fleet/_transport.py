@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Literal, Self, TypeVar
 
-# TRACEHOOK from .. import _trace
+from .. import _trace
 from .._errors import (
     ClientClosedError,
     ConnectError,
@@ -108,6 +108,8 @@ class FleetTransport:
         self._watch: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._retired: list[Replica] = []
+        self._stale: set[Transport] = set()  # replaced by a fresh connection after an outage; closed later
+        self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -201,11 +203,14 @@ class FleetTransport:
     def _close_retired(self) -> None:
         for replica in [r for r in self._retired if r.outstanding == 0]:
             self._retired.remove(replica)
-            task = asyncio.get_running_loop().create_task(replica.transport.aclose())
-            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+            self._stale.add(replica.transport)
+            self._retire_transport(replica.transport)
 
     async def _check(self, replica: Replica) -> None:
-        transport = replica.transport
+        # A replica that is out is probed over a fresh connection: the old channel sits in gRPC's own reconnect
+        # backoff (up to two minutes), which would hide a replica that is back from the probes for that long.
+        fresh = self._make(replica.place) if replica.state is False else None
+        transport = fresh if fresh is not None else replica.transport
         limit = self._options.health_timeout_s
         try:
             if not await transport.is_server_ready(timeout_s=limit):
@@ -216,16 +221,23 @@ class FleetTransport:
                 models = None  # a restricted repository API: the replica serves whatever it is asked for
             else:
                 models = frozenset(str(m.get("name", "")) for m in index if str(m.get("state", "")) == "READY")
-        except TritonError as err:
-            self._take_out(replica, err)
+        except BaseException as err:
+            if fresh is not None:
+                await _close_quietly(fresh)
+            if isinstance(err, asyncio.CancelledError) or not isinstance(err, Exception):
+                raise
+            self._take_out(replica, err)  # any failure of a probe means "not usable now"
             return
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:
-            self._take_out(replica, err)
-            return
-        if replica not in self._replicas.values():
+        if self._replicas.get(replica.url) is not replica:
+            if fresh is not None:
+                await _close_quietly(fresh)
             return  # left (DNS) while it was being checked
+        if fresh is not None:
+            stale, replica.transport = replica.transport, fresh
+            # Calls still on the old channel (to a server that failed) get a while to fail on their own.
+            loop = asyncio.get_running_loop()
+            loop.call_later(self._options.max_probe_backoff_s + 30.0, self._retire_transport, stale)
+            self._stale.add(stale)
         replica.models = models
         if replica.state is not True:
             if replica.state is False:
@@ -234,6 +246,13 @@ class FleetTransport:
             replica.failures = 0
             replica.down_since = None
         replica.next_check_at = time.monotonic() + self._options.health_interval_s
+
+    def _retire_transport(self, transport: Transport) -> None:
+        if transport in self._stale:
+            self._stale.discard(transport)
+            task = asyncio.get_running_loop().create_task(_close_quietly(transport))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def _take_out(self, replica: Replica, err: BaseException) -> None:
         why = f"{type(err).__name__}: {err}"
@@ -301,6 +320,16 @@ class FleetTransport:
             raise self._no_replica(model)
         self._pins[key] = (chosen, chosen.epoch)
         return chosen
+
+    def placement(self, model: str, sequence_id: int | str) -> str | None:
+        """The URL of the replica holding this sequence (its pin), or where a START would go now; None if none can."""
+        pin = self._pins.get(sequence_key(model, sequence_id))
+        if pin is not None and pin[0].epoch == pin[1] and self._replicas.get(pin[0].url) is pin[0]:
+            return pin[0].url
+        healthy = [r for r in self._replicas.values() if r.state is True]
+        serving = [r for r in healthy if r.models is None or model in r.models] or healthy
+        chosen = rendezvous(sequence_key(model, sequence_id), ((r.url, r) for r in serving))
+        return None if chosen is None else chosen.url
 
     def _after_sequence_call(
         self, replica: Replica, model: str, sequence_id: int | str, *, end: bool, err: BaseException | None
@@ -474,12 +503,17 @@ class FleetTransport:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        replicas = [*self._replicas.values(), *self._retired]
+        transports = [*(r.transport for r in [*self._replicas.values(), *self._retired]), *self._stale]
         self._retired.clear()
-        results = await asyncio.gather(*(r.transport.aclose() for r in replicas), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                _log.debug("closing a replica's transport failed: %r", result)
+        self._stale.clear()
+        await asyncio.gather(*(_close_quietly(t) for t in transports), *self._closing)
+
+
+async def _close_quietly(transport: Transport) -> None:
+    try:
+        await transport.aclose()
+    except Exception as err:  # closing is best effort: the connection is being dropped either way
+        _log.debug("closing a replica's transport failed: %r", err)
 
 
 def _add(a: Json, b: Json) -> Json:
@@ -533,7 +567,7 @@ class _Stateless(OneResponse):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise last or RequestTimeout(f"no time left to send to model {model!r}", model=model)
-            pass  # TRACEHOOK _trace.note_replica(replica.url)
+            _trace.note_replica(replica.url)
             replica.outstanding += 1
             replica.requests += 1
             began = time.perf_counter()
@@ -603,7 +637,7 @@ class _Routed:
                 raise fleet._no_replica(self._model)
         else:
             replica = fleet._place_sequence(self._model, self._sequence_id, self._sequence_start)
-        pass  # TRACEHOOK _trace.note_replica(replica.url)
+        _trace.note_replica(replica.url)
         self._replica = replica
         replica.outstanding += 1
         replica.requests += 1

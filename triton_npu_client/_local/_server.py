@@ -651,6 +651,12 @@ class LocalTriton:
         """
         self._stop(keep_log_if_exited=True)
 
+    def kill(self) -> None:
+        """SIGKILL the server and its stubs at once, with no grace, as a machine failure would; then reap them and
+        remove the temp folder. For tests of what clients do when a server dies. Idempotent."""
+        if self._active:
+            self._finish(keep_log=False)
+
     async def astop(self) -> None:
         """Async :meth:`stop`, never blocking the loop; if cancelled while waiting, it kills at once and re-raises."""
         await self._astop(keep_log_if_exited=True)
