@@ -169,6 +169,35 @@ async def test_note_replica_marks_the_current_span_and_the_chat_turn_above_a_ste
     assert got == {"triton.sequence.step": "grpc://10.0.0.2:8001", "triton.chat.turn": "grpc://10.0.0.2:8001"}
 
 
+async def test_a_fleets_replica_is_on_the_spans_of_requests_steps_and_turns(
+    triton_server: LocalTriton, spans: InMemorySpanExporter
+) -> None:
+    """The fleet notes the replica it picks on the current span: a request's, a step's (unary and streamed) and,
+    through the step, the chat turn's."""
+    async def resolve(host: str, port: int) -> list[str]:
+        return ["127.0.0.1"]  # a headless Service of one pod: the session's server
+
+    url = f"dns+grpc://triton.test:{triton_server.grpc_port}"
+    async with Client(url, timeout_s=60, resolver=resolve) as client:
+        (replica,) = await client.replicas()
+        scale = await client.model("scale_fp32")
+        await scale.infer(INPUT0=np.arange(4, dtype=np.float32))
+        stats = await client.model("seq_stats_oldest")
+        async with stats.sequence() as seq:
+            await seq.infer(X=np.arange(4, dtype=np.float32))
+        counter = await client.model("seq_count_stream")
+        async with counter.sequence() as seq:
+            assert [r async for r in seq.stream(N=np.array([2], np.int32))]
+        async with client.chat("chat", max_tokens=2) as chat:
+            await chat.ask("Hi.")
+    got = [(s.name, attrs(s).get("triton.replica")) for s in spans.get_finished_spans()]
+    assert sorted(got) == sorted(
+        [("triton.infer", replica.url)]
+        + [("triton.sequence.step", replica.url)] * 3
+        + [("triton.chat.turn", replica.url)]
+    )
+
+
 # --- Triton's own spans join the client's trace ---------------------------------------------------------
 
 
