@@ -292,6 +292,13 @@ class SharedMemoryPool:
         if caller.closed:
             raise ClientClosedError("the client this model handle belongs to is closed")
         transport = caller.transport
+        if transport.protocol == "grpc" and not isinstance(transport, GrpcTransport):
+            # Regions are registered with one server, which must see this machine's /dev/shm.
+            raise UsageError(
+                f"shared memory for model {model.name!r} needs a client of one server: this client spreads requests "
+                "over several replicas; make a Client of the one replica on this machine for the pool",
+                model=model.name,
+            )
         if not isinstance(transport, GrpcTransport):
             raise UsageError(
                 f"shared memory for model {model.name!r} needs a gRPC client (grpc://); this client speaks "
