@@ -46,6 +46,8 @@ class Replica:
     """Mutable state, touched only from the event loop the client lives on (no locks needed)."""
 
     __slots__ = (
+        "check_applied",
+        "checks_started",
         "down_since",
         "epoch",
         "errors",
@@ -70,6 +72,9 @@ class Replica:
         self.models: frozenset[str] | None = None
         self.epoch = 0
         self.failures = 0
+        # Checks can overlap (the watch and a refresh): only the latest one to start may decide the state.
+        self.checks_started = 0
+        self.check_applied = 0
         self.next_check_at = 0.0
         self.down_since: float | None = None
         self.last_error: str | None = None

@@ -141,21 +141,28 @@ class FleetTransport:
             await asyncio.shield(first)
 
     async def _first_round(self) -> None:
-        await self._resolve()
-        await asyncio.gather(*(self._check(r) for r in list(self._replicas.values())))
-        self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
+        try:
+            await self._resolve()
+            await asyncio.gather(*(self._check(r) for r in list(self._replicas.values())))
+        finally:
+            if not self._closed:
+                self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
 
     async def _watch_loop(self) -> None:
         options = self._options
         self._wake = wake = asyncio.Event()
         while not self._closed:
-            now = time.monotonic()
-            if self._dns and now - self._resolved_at >= options.resolve_interval_s:
-                await self._resolve()
-            due = [r for r in self._replicas.values() if r.next_check_at <= time.monotonic()]
-            if due:
-                await asyncio.gather(*(self._check(r) for r in due))
-            self._close_retired()
+            try:
+                now = time.monotonic()
+                if self._dns and now - self._resolved_at >= options.resolve_interval_s:
+                    await self._resolve()
+                due = [r for r in self._replicas.values() if r.next_check_at <= time.monotonic()]
+                if due:
+                    await asyncio.gather(*(self._check(r) for r in due))
+                self._close_retired()
+            except Exception:
+                # The watch must outlive any one bad round, or no replica would ever come back.
+                _log.exception("a round of fleet health checks failed; the next one runs as planned")
             times = [r.next_check_at for r in self._replicas.values()]
             if self._dns:
                 times.append(self._resolved_at + options.resolve_interval_s)
@@ -178,7 +185,7 @@ class FleetTransport:
                 continue
             try:
                 addresses = await self._resolver(endpoint.host, endpoint.port)
-            except (OSError, TimeoutError) as err:
+            except Exception as err:  # a user's resolver may raise anything; the fleet keeps going
                 # Keep what this name stood for until it resolves again: a DNS hiccup is not a fleet gone.
                 self._resolve_error = f"{endpoint.url}: {type(err).__name__}: {err}"
                 _log.warning("resolving %s failed, keeping its known replicas: %s", endpoint.url, err)
@@ -211,6 +218,8 @@ class FleetTransport:
         # backoff (up to two minutes), which would hide a replica that is back from the probes for that long.
         fresh = self._make(replica.place) if replica.state is False else None
         transport = fresh if fresh is not None else replica.transport
+        replica.checks_started += 1
+        this_check = replica.checks_started
         limit = self._options.health_timeout_s
         try:
             if not await transport.is_server_ready(timeout_s=limit):
@@ -226,12 +235,15 @@ class FleetTransport:
                 await _close_quietly(fresh)
             if isinstance(err, asyncio.CancelledError) or not isinstance(err, Exception):
                 raise
-            self._take_out(replica, err)  # any failure of a probe means "not usable now"
+            if this_check > replica.check_applied:  # a later check already answered: this one is stale
+                replica.check_applied = this_check
+                self._take_out(replica, err)  # any failure of a probe means "not usable now"
             return
-        if self._replicas.get(replica.url) is not replica:
+        if self._replicas.get(replica.url) is not replica or this_check < replica.check_applied:
             if fresh is not None:
                 await _close_quietly(fresh)
-            return  # left (DNS) while it was being checked
+            return  # left (DNS) while it was being checked, or a later check already answered
+        replica.check_applied = this_check
         if fresh is not None:
             stale, replica.transport = replica.transport, fresh
             # Calls still on the old channel (to a server that failed) get a while to fail on their own.
@@ -254,7 +266,11 @@ class FleetTransport:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    def _take_out(self, replica: Replica, err: BaseException) -> None:
+    def _take_out(self, replica: Replica, err: BaseException, *, epoch: int | None = None) -> None:
+        """Take ``replica`` out after ``err``. ``epoch``: the epoch the failed call was sent in; a call sent before
+        the replica was last taken out says nothing about it now (it may be back) and is ignored."""
+        if epoch is not None and epoch != replica.epoch:
+            return
         why = f"{type(err).__name__}: {err}"
         if replica.state is not False:
             replica.epoch += 1  # every sequence pinned to it so far is lost
@@ -377,12 +393,13 @@ class FleetTransport:
         tried: set[str] = set()
         last: TritonError | None = None
         while (replica := self._pick(model, tried)) is not None:
+            epoch = replica.epoch
             try:
                 return await ask(replica.transport)
             except TritonError as err:
                 if not is_replica_failure(err):
                     raise
-                self._take_out(replica, err)
+                self._take_out(replica, err, epoch=epoch)
                 tried.add(replica.url)
                 last = err
         raise last or self._no_replica(model or "(any)")
@@ -570,6 +587,7 @@ class _Stateless(OneResponse):
             _trace.note_replica(replica.url)
             replica.outstanding += 1
             replica.requests += 1
+            epoch = replica.epoch
             began = time.perf_counter()
             try:
                 result = await replica.transport.call(
@@ -579,7 +597,7 @@ class _Stateless(OneResponse):
                 replica.errors += 1
                 if not is_replica_failure(err):
                     raise
-                fleet._take_out(replica, err)
+                fleet._take_out(replica, err, epoch=epoch)
                 tried.add(replica.url)
                 last = err
                 continue
@@ -593,7 +611,7 @@ class _Routed:
     """A sequence step or a streamed request: one replica, chosen when the answers are first read."""
 
     __slots__ = (
-        "_began", "_done", "_fleet", "_inner", "_kwargs", "_model", "_replica", "_request", "_sequence_end",
+        "_began", "_done", "_epoch", "_fleet", "_inner", "_kwargs", "_model", "_replica", "_request", "_sequence_end",
         "_sequence_id", "_sequence_start",
     )  # fmt: skip
 
@@ -626,6 +644,7 @@ class _Routed:
         self._replica: Replica | None = None
         self._done: Literal[False, True] = False
         self._began = 0.0
+        self._epoch = 0
 
     async def _open(self) -> Responses:
         fleet = self._fleet
@@ -639,6 +658,7 @@ class _Routed:
             replica = fleet._place_sequence(self._model, self._sequence_id, self._sequence_start)
         _trace.note_replica(replica.url)
         self._replica = replica
+        self._epoch = replica.epoch
         replica.outstanding += 1
         replica.requests += 1
         self._began = time.perf_counter()
@@ -654,7 +674,7 @@ class _Routed:
         if err is not None:
             replica.errors += 1
             if is_replica_failure(err):
-                self._fleet._take_out(replica, err)
+                self._fleet._take_out(replica, err, epoch=self._epoch)
         elif answered:
             replica.latencies.append((time.perf_counter() - self._began) * 1e3)
         if self._sequence_id is not None and (err is not None or answered):
