@@ -90,62 +90,37 @@ class Caller:
         """A stateless request answered once: coalesced when enabled and eligible, retried per the policy."""
         if self.closed:
             raise ClientClosedError("the client this model handle belongs to is closed")
-        if _trace.AVAILABLE:
-            span = _trace.start("triton.infer", model=request.model, version=request.version)
-            if span is not None:
-                return await self._infer_traced(
-                    span, request, timeout_s, request_id, retry, max_batch_size, dynamic_batching
-                )
-        return await self._infer(request, timeout_s, request_id, retry, max_batch_size, dynamic_batching)
-
-    async def _infer_traced(
-        self,
-        span: _trace.Span,
-        request: InferRequest,
-        timeout_s: float | None,
-        request_id: str,
-        retry: bool,
-        max_batch_size: int,
-        dynamic_batching: bool,
-    ) -> InferResult:
+        span = _trace.start("triton.infer", model=request.model, version=request.version) if _trace.AVAILABLE else None
         # Current for the whole call (one task): the transport sends its context, the fleet notes its replica.
-        token = span.attach()
+        token = span.attach() if span is not None else None
         try:
-            result = await self._infer(request, timeout_s, request_id, retry, max_batch_size, dynamic_batching, span)
+            coalescer = self.coalescer
+            policy = self.retry if retry else NO_RETRY
+            if coalescer is not None and not request_id and coalescer.eligible(
+                request, max_batch_size=max_batch_size, dynamic_batching=dynamic_batching
+            ):
+                if span is not None:
+                    span.set("triton.coalesced", True)
+                result = await coalescer.infer(
+                    request,
+                    timeout_s=timeout_s,
+                    max_batch_size=max_batch_size,
+                    # The merged request's own budget (its earliest member's), not this caller's whole timeout.
+                    send=lambda merged, budget_s: self._send(merged, budget_s, "", policy, span),
+                )
+            else:
+                result = await self._send(request, timeout_s, request_id, policy)
         except BaseException as err:
-            span.finish(err)
+            if span is not None:
+                span.finish(err)
             raise
         finally:
-            span.detach(token)
-        span.set_first_response()
-        span.finish()
-        return result
-
-    async def _infer(
-        self,
-        request: InferRequest,
-        timeout_s: float | None,
-        request_id: str,
-        retry: bool,
-        max_batch_size: int,
-        dynamic_batching: bool,
-        span: _trace.Span | None = None,
-    ) -> InferResult:
-        coalescer = self.coalescer
-        policy = self.retry if retry else NO_RETRY
-        if coalescer is not None and not request_id and coalescer.eligible(
-            request, max_batch_size=max_batch_size, dynamic_batching=dynamic_batching
-        ):
             if span is not None:
-                span.set("triton.coalesced", True)
-            return await coalescer.infer(
-                request,
-                timeout_s=timeout_s,
-                max_batch_size=max_batch_size,
-                # The merged request's own budget (its earliest member's), not this caller's whole timeout.
-                send=lambda merged, budget_s: self._send(merged, budget_s, "", policy, span),
-            )
-        return await self._send(request, timeout_s, request_id, policy)
+                span.detach(token)
+        if span is not None:
+            span.set_first_response()
+            span.finish()
+        return result
 
     async def _send(
         self,

@@ -451,52 +451,48 @@ class SequenceSession:
         return span
 
     async def _step(self, request: InferRequest, *, end: bool, timeout_s: float | None) -> InferResult:
-        if _trace.AVAILABLE:
-            span = self._span(end)
-            if span is not None:
-                # Current for the whole step (one task): the transport sends its context, the fleet notes its
-                # replica when it opens the call.
-                token = span.attach()
-                try:
-                    result = await self._step_call(request, end=end, timeout_s=timeout_s)
-                except BaseException as err:
-                    span.finish(err)
-                    raise
-                finally:
-                    span.detach(token)
-                span.set_first_response()
-                span.finish()
-                return result
-        return await self._step_call(request, end=end, timeout_s=timeout_s)
-
-    async def _step_call(self, request: InferRequest, *, end: bool, timeout_s: float | None) -> InferResult:
-        self._refuse()
-        async with self._lock:
-            self._refuse()  # the state may have changed while this caller queued
-            start = self._acked == 0
-            responses = self._send(
-                request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
-                route=self._route, many=self._spec.decoupled,
-            )
-            try:
-                result = await responses.single()
-            except asyncio.CancelledError:
-                # Sent (or about to be): the server may apply it. The caller never sees its answer.
-                self._loss = SequenceLost(
-                    f"sequence {self._id!r}: a step was cancelled in flight; its outcome is unknown",
-                    sequence_id=self._id,
-                    steps_acknowledged=self._acked,
-                    model=self._spec.name,
+        span = self._span(end) if _trace.AVAILABLE else None
+        # Current for the whole step (one task): the transport sends its context, the fleet notes its replica when
+        # it opens the call.
+        token = span.attach() if span is not None else None
+        try:
+            self._refuse()
+            async with self._lock:
+                self._refuse()  # the state may have changed while this caller queued
+                start = self._acked == 0
+                responses = self._send(
+                    request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
+                    route=self._route, many=self._spec.decoupled,
                 )
-                raise
-            except UsageError:
-                # Answered, by more than one response (read such steps with stream()): the step ran.
+                try:
+                    result = await responses.single()
+                except asyncio.CancelledError:
+                    # Sent (or about to be): the server may apply it. The caller never sees its answer.
+                    self._loss = SequenceLost(
+                        f"sequence {self._id!r}: a step was cancelled in flight; its outcome is unknown",
+                        sequence_id=self._id,
+                        steps_acknowledged=self._acked,
+                        model=self._spec.name,
+                    )
+                    raise
+                except UsageError:
+                    # Answered, by more than one response (read such steps with stream()): the step ran.
+                    self._acknowledged(end=end)
+                    raise
+                except TritonError as err:
+                    raise self._failed(err, start=start) from err
                 self._acknowledged(end=end)
-                raise
-            except TritonError as err:
-                raise self._failed(err, start=start) from err
-            self._acknowledged(end=end)
-            return result
+        except BaseException as err:
+            if span is not None:
+                span.finish(err)
+            raise
+        finally:
+            if span is not None:
+                span.detach(token)
+        if span is not None:
+            span.set_first_response()
+            span.finish()
+        return result
 
     def _acknowledged(self, *, end: bool) -> None:
         self._acked += 1
