@@ -43,10 +43,11 @@ __all__ = [
 TRACER_NAME: Final = "triton_npu_client"
 
 # Looked up once: find_spec finds the package without importing it, and None is the answer for a blocked import
-# (sys.modules["opentelemetry"] = None) too.
-AVAILABLE: bool = importlib.util.find_spec("opentelemetry") is not None
+# (sys.modules["opentelemetry"] = None) too. A constant: call sites import it by name and check it per request.
+AVAILABLE: Final[bool] = importlib.util.find_spec("opentelemetry") is not None
 
 # Filled on first use (see _load): the opentelemetry modules and this package's tracer.
+_unusable = False  # "opentelemetry" found, but not its API (a namespace package of something else): no tracing
 _otel: Any = None
 _tracer: Any = None
 _provider: Any = None  # given to use_tracer_provider; None: the global provider
@@ -54,13 +55,15 @@ _KEY: Final = "triton_npu_client.span"  # the current Span wrapper, kept in the 
 
 
 def _load() -> Any:
-    """Import opentelemetry (first use only); None when it turns out not importable (then AVAILABLE becomes False)."""
-    global AVAILABLE, _otel, _tracer
+    """Import opentelemetry (first use only); None when its API turns out not importable."""
+    global _otel, _tracer, _unusable
     if _otel is None:
+        if _unusable or not AVAILABLE:
+            return None
         try:
             from opentelemetry import context, propagate, trace
         except ImportError:  # e.g. a namespace package "opentelemetry" without the API
-            AVAILABLE = False
+            _unusable = True
             return None
         _otel = types.SimpleNamespace(context=context, propagate=propagate, trace=trace)
         _tracer = None

@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from typing import Final
 
-from .. import _trace
 from .._errors import ClientClosedError, TritonError
+from .._trace import AVAILABLE as TRACING
+from .._trace import Span
+from .._trace import start as start_span
 from .._transport import Transport
 from .._transport._base import OnSend, Responses, Route
 from .._wire import InferRequest, InferResult
@@ -90,7 +92,7 @@ class Caller:
         """A stateless request answered once: coalesced when enabled and eligible, retried per the policy."""
         if self.closed:
             raise ClientClosedError("the client this model handle belongs to is closed")
-        span = _trace.start("triton.infer", model=request.model, version=request.version) if _trace.AVAILABLE else None
+        span = start_span("triton.infer", model=request.model, version=request.version) if TRACING else None
         # Current for the whole call (one task): the transport sends its context, the fleet notes its replica.
         token = span.attach() if span is not None else None
         try:
@@ -128,7 +130,7 @@ class Caller:
         timeout_s: float | None,
         request_id: str,
         policy: RetryPolicy,
-        span: _trace.Span | None = None,
+        span: Span | None = None,
     ) -> InferResult:
         if span is not None:
             # A merged request is sent from the coalescer's task: it carries the span of the caller whose send it

@@ -55,7 +55,6 @@ from typing import Any, Final, Self, cast
 import attrs
 import numpy as np
 
-from .. import _trace
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
 from .._errors import (
     InternalServerError,
@@ -64,6 +63,9 @@ from .._errors import (
     SequenceUsageError,
     UsageError,
 )
+from .._trace import AVAILABLE as TRACING
+from .._trace import Span
+from .._trace import start as start_span
 from .._wire import InferResult
 from ..server._digest import EMPTY, history_digest
 from ._sequence import DEFAULT_END_TIMEOUT_S, SequenceSession, SessionTarget, open_sequence
@@ -571,10 +573,11 @@ class ChatSession:
         self._refuse_busy()  # again: another turn may have started since send() was called
         self._streaming = True
         span = None
-        if _trace.AVAILABLE:
+        if TRACING:
             seq = self._seq
-            span = _trace.start("triton.chat.turn", model=seq.model, version=seq.spec.version,
-                                sequence_id=seq.sequence_id)
+            span = start_span(
+                "triton.chat.turn", model=seq.model, version=seq.spec.version, sequence_id=seq.sequence_id
+            )
         started = time.perf_counter()
         yielded = False
         replayed = False
@@ -605,7 +608,7 @@ class ChatSession:
         if span is not None:
             self._end_span(span, replayed, None)
 
-    def _end_span(self, span: _trace.Span, replayed: bool, err: BaseException | None) -> None:
+    def _end_span(self, span: Span, replayed: bool, err: BaseException | None) -> None:
         span.set("triton.sequence_id", str(self._seq.sequence_id))  # a replay's is a new one
         span.set("triton.chat.replayed", replayed)
         reply = self._last_reply

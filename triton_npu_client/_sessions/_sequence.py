@@ -44,7 +44,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Final, Protocol, Self
 
-from .. import _trace
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
 from .._call._caller import Caller
 from .._errors import (
@@ -57,6 +56,9 @@ from .._errors import (
 )
 from .._errors._classify import judge_step
 from .._model import ModelSpec, Plans, build_request
+from .._trace import AVAILABLE as TRACING
+from .._trace import Span
+from .._trace import start as start_span
 from .._transport._base import OnSend, Responses, Route
 from .._wire import InferRequest, InferResult
 
@@ -230,7 +232,7 @@ class SequenceSession:
         self._rolled_back_call: Responses | None = None
         self._closed_under: Responses | None = None  # that call, once aclose() cancelled it
         # The chat turn's span while a turn streams here: its steps' spans hang under it (set by ChatSession).
-        self._trace_parent: _trace.Span | None = None
+        self._trace_parent: Span | None = None
 
     def __repr__(self) -> str:
         state = "lost" if self._loss is not None else "ended" if self._ended else "open"
@@ -328,7 +330,7 @@ class SequenceSession:
         one carries START again). Closing the session while such a step streams cancels it and sends END at once.
         """
         request = self._build(inputs, named)
-        span = self._span(end) if _trace.AVAILABLE else None
+        span = self._span(end) if TRACING else None
         try:
             self._refuse()
             async with self._lock:
@@ -438,8 +440,8 @@ class SequenceSession:
             on_send=None if start else self._idle_check(),
         )
 
-    def _span(self, end: bool) -> _trace.Span | None:
-        span = _trace.start(
+    def _span(self, end: bool) -> Span | None:
+        span = start_span(
             "triton.sequence.step",
             model=self._spec.name,
             version=self._spec.version,
@@ -451,7 +453,7 @@ class SequenceSession:
         return span
 
     async def _step(self, request: InferRequest, *, end: bool, timeout_s: float | None) -> InferResult:
-        span = self._span(end) if _trace.AVAILABLE else None
+        span = self._span(end) if TRACING else None
         # Current for the whole step (one task): the transport sends its context, the fleet notes its replica when
         # it opens the call.
         token = span.attach() if span is not None else None

@@ -17,9 +17,10 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from .. import _trace
 from .._errors import ClientClosedError, ConnectError, ServerUnavailable, TritonError, UsageError
 from .._errors._classify import map_error
+from .._trace import AVAILABLE as TRACING
+from .._trace import grpc_metadata
 from .._wire import InferRequest, InferResult
 from ._base import Json, OneResponse, OnSend, Responses, Route, server_timeout_us
 from ._options import TLSConfig
@@ -204,10 +205,10 @@ class GrpcTransport:
         if self._closed:
             raise ClientClosedError(f"the gRPC connection to {self.target} is closed")
         metadata = self._metadata
-        if _trace.AVAILABLE and route != "shared":
+        if TRACING and route != "shared":
             # The current span's context for Triton's own trace. Not on the shared stream: Triton reads a stream's
             # trace context once, from the metadata that opened it, for every request the stream carries.
-            metadata = _trace.grpc_metadata(metadata)
+            metadata = grpc_metadata(metadata)
         if route == "unary":
             if many:
                 raise UsageError(

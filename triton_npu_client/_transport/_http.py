@@ -20,9 +20,10 @@ from typing import Any, Final
 
 import tritonclient.http.aio as httpclient
 
-from .. import _trace
 from .._errors import ClientClosedError, UsageError
 from .._errors._classify import map_error
+from .._trace import AVAILABLE as TRACING
+from .._trace import http_headers
 from .._wire import InferRequest, InferResult
 from ._base import Json, OneResponse, OnSend, Responses, Route, server_timeout_us
 from ._options import TLSConfig
@@ -168,10 +169,8 @@ class HttpTransport:
             "sequence_end": sequence_end,
             "timeout": server_timeout_us(timeout_s, sequence_id),
         }
-        if _trace.AVAILABLE:
-            headers = _trace.http_headers(self._headers)  # with the current span's trace context, for Triton's own
-        else:
-            headers = dict(self._headers) if self._headers else None
+        # With the current span's trace context when tracing, for Triton's own trace.
+        headers = http_headers(self._headers) if TRACING else dict(self._headers) if self._headers else None
         return _HttpCall(self, request, timeout_s, on_send, kwargs, headers)
 
     async def is_server_live(self, *, timeout_s: float | None) -> bool:
