@@ -20,6 +20,7 @@ RANK = {
     "_wire": 1,
     "_local": 1,
     "_transport": 2,
+    "_fleet": 2,  # a transport over several transports (replicas)
     "_model": 2,
     "_call": 3,
     "_sessions": 4,

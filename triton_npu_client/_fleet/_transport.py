@@ -28,7 +28,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Literal, Self, TypeVar
 
-from .. import _trace
 from .._errors import (
     ClientClosedError,
     ConnectError,
@@ -40,6 +39,7 @@ from .._errors import (
     UsageError,
 )
 from .._errors._classify import MISSING_START
+from .._trace import note_replica
 from .._transport import Transport
 from .._transport._base import Json, OneResponse, OnSend, Responses, Route
 from .._wire import InferRequest, InferResult
@@ -584,7 +584,7 @@ class _Stateless(OneResponse):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise last or RequestTimeout(f"no time left to send to model {model!r}", model=model)
-            _trace.note_replica(replica.url)
+            note_replica(replica.url)
             replica.outstanding += 1
             replica.requests += 1
             epoch = replica.epoch
@@ -656,7 +656,7 @@ class _Routed:
                 raise fleet._no_replica(self._model)
         else:
             replica = fleet._place_sequence(self._model, self._sequence_id, self._sequence_start)
-        _trace.note_replica(replica.url)
+        note_replica(replica.url)
         self._replica = replica
         self._epoch = replica.epoch
         replica.outstanding += 1
