@@ -338,6 +338,7 @@ async def test_kill_one_replica_mid_run(fleet: Fleet, seed: Callable[[int], int]
         assert elsewhere, "rendezvous put every sequence on the killed replica"
         assert all(r[0] in fleet.urls for r in seq_results)
         assert [(steps, type(err)) for _, steps, err in on_victim] == [(KILL_AFTER, SequenceLost)] * len(on_victim)
+        assert {err.steps_acknowledged for _, _, err in on_victim if isinstance(err, SequenceLost)} == {KILL_AFTER}
         assert [(steps, err) for _, steps, err in elsewhere] == [(STEPS, None)] * len(elsewhere)
 
         # Chats: the victim's replayed on another replica, with exactly an uninterrupted conversation's replies.

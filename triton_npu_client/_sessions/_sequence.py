@@ -507,6 +507,10 @@ class SequenceSession:
         verdict = judge_step(err, sequence_id=self._id, start=start, acknowledged=self._acked)
         if verdict.lost:
             error = verdict.error
+            if isinstance(error, SequenceLost):
+                # Raised below the session (the fleet, when the sequence's replica failed), where the count of
+                # acknowledged steps is not known: this session knows it.
+                error.steps_acknowledged = self._acked
             self._loss = error if isinstance(error, SequenceLost) else SequenceLost(
                 f"sequence {self._id!r}: {type(error).__name__}: {error.message}",
                 sequence_id=self._id,
