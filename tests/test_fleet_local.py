@@ -6,6 +6,7 @@ routing, health and discovery at work without starting more servers (tests/test_
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Sequence
 
@@ -166,3 +167,41 @@ async def test_shared_memory_needs_one_server(triton_server: LocalTriton) -> Non
         model = await client.model("scale_fp32")
         with pytest.raises(UsageError, match="one server"):
             await SharedMemoryPool.open(model, slots=1)
+
+
+async def test_names_are_resolved_again_on_their_own_and_replicas_join_and_leave(triton_server: LocalTriton) -> None:
+    """With no refresh asked for, the watch resolves the name every ``resolve_interval_s``."""
+    port = triton_server.grpc_port
+    answers = [["127.0.0.1"], ["127.0.0.1", "::1"], ["::1"]]
+    calls = 0
+    asked = [asyncio.Event() for _ in range(4)]
+    release = asyncio.Event()
+
+    async def resolver(host: str, port: int) -> Sequence[str]:
+        nonlocal calls
+        calls += 1
+        asked[min(calls, 4) - 1].set()
+        if calls == 3:
+            await release.wait()  # hold the third lookup until the test has seen what the second one did
+        return answers[min(calls, len(answers)) - 1]
+
+    def seen(client: Client) -> dict[str, bool | None]:
+        return {s.url: s.healthy for s in client.transport.replica_status()}  # type: ignore[attr-defined]
+
+    here, there = f"grpc://127.0.0.1:{port}", f"grpc://[::1]:{port}"
+    options = FleetOptions(health_interval_s=60.0, probe_backoff_s=0.05, resolve_interval_s=0.05)
+    async with Client(f"dns+grpc://triton.test:{port}", resolver=resolver, fleet=options) as client:
+        assert [s.url for s in await client.replicas()] == [here]
+        # The third lookup starts only after the round of the second (which added ::1 and checked it) is over.
+        await asked[2].wait()
+        # Nothing listens on ::1 (the server binds 127.0.0.1): the newcomer was checked before any use, and is out.
+        assert seen(client) == {here: True, there: False}
+        release.set()
+        await asked[3].wait()  # the fourth lookup starts after the third's answer was applied
+        assert seen(client) == {there: False}
+
+
+def test_probe_backoff_doubles_up_to_its_cap() -> None:
+    options = FleetOptions(probe_backoff_s=0.1, max_probe_backoff_s=1.0)
+    assert [options.backoff_s(n) for n in range(1, 7)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert options.backoff_s(10_000) == 1.0
