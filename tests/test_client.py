@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,9 @@ from triton_npu_client import (
     MissingInputError,
     Model,
     ModelNotFoundError,
-    PermissionDeniedError,
     RequestTimeout,
     RetryPolicy,
     SequenceSpec,
-    TLSConfig,
     UnknownInputError,
     UnknownOutputError,
     UsageError,
@@ -320,55 +317,6 @@ async def test_server_stopped(tmp_path: Path) -> None:
     finally:
         for c in (grpc_client, http_client):
             await c.aclose()
-
-
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
-
-
-async def test_tls_and_headers(tmp_path: Path) -> None:
-    """grpcs:// with a CA file and an API-key header gets through; without the header gRPC and HTTP are refused."""
-    cert, key = _self_signed(tmp_path)
-    repo = tmp_path / "repo"
-    shutil.copytree(REPO / "scale_fp32", repo / "scale_fp32", ignore=shutil.ignore_patterns("__pycache__"))
-    args = [
-        "--grpc-use-ssl=true",
-        f"--grpc-server-cert={cert}",
-        f"--grpc-server-key={key}",
-        "--grpc-restricted-protocol=inference:x-api-key=s3cret",
-        "--http-restricted-api=inference:x-api-key=s3cret",
-    ]
-    async with LocalTriton(repo, extra_args=args, stop_grace_s=0) as server:
-        url = f"grpcs://127.0.0.1:{server.grpc_port}"
-        tls = TLSConfig(ca_file=cert)
-        # Triton prefixes the restricted-protocol header name over gRPC.
-        async with Client(url, tls=tls, headers={"triton-grpc-protocol-x-api-key": "s3cret"}) as ok:
-            model = await ok.model("scale_fp32")
-            assert (await model.infer(INPUT0=[2.0]))["OUTPUT0"].tolist() == [[4.0]]
-        async with Client(url, tls=tls, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01)) as no_key:
-            counting = CountingTransport(no_key.transport)
-            counted = Client(url, transport=counting, retry=no_key.config.retry)  # type: ignore[arg-type]
-            model = await counted.model("scale_fp32")  # model config is not a restricted API here
-            # Triton answers a missing key with UNAVAILABLE over gRPC: a refusal that will not change.
-            with pytest.raises(PermissionDeniedError) as refused:
-                await model.infer(INPUT0=[2.0])
-            assert refused.value.status == "UNAVAILABLE"
-            assert counting.infer_calls == 1  # not retried
-        async with Client(server.http_url, headers={"x-api-key": "s3cret"}) as ok_http:
-            model = await ok_http.model("scale_fp32")
-            assert (await model.infer(INPUT0=[3.0]))["OUTPUT0"].tolist() == [[6.0]]
-        async with Client(server.http_url) as no_key_http:
-            model = await no_key_http.model("scale_fp32")
-            with pytest.raises(PermissionDeniedError) as denied:
-                await model.infer(INPUT0=[3.0])
-            assert denied.value.status == "403"
 
 
 # --- lifecycle, admin ------------------------------------------------------------------------------

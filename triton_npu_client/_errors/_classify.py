@@ -24,11 +24,17 @@ What Triton 2.51 answers (seen against the real server):
 * server stopped: gRPC ``UNAVAILABLE`` (the channel cannot connect), HTTP: aiohttp ``ClientConnectorError``;
 * client deadline: gRPC ``DEADLINE_EXCEEDED``; a wrong input: ``INVALID_ARGUMENT`` / 400 (over the stream: text
   only, e.g. "unexpected shape for input 'X' ...", so :class:`InternalServerError`).
+
+A refused TLS handshake is :class:`TLSError` (never retried; see :func:`_tls_failure` for what each side says).
+Those are the TLS library's words, not a model's: "Tls handshake failed" / "Ssl handshake failed" from grpc core,
+``ssl.SSLError`` / aiohttp's certificate errors over HTTPS, each with an OpenSSL reason code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+import ssl
 from typing import Final
 
 import attrs
@@ -48,6 +54,7 @@ from ._exceptions import (
     SequenceError,
     SequenceLost,
     ServerUnavailable,
+    TLSError,
     TransportError,
     TritonError,
 )
@@ -134,6 +141,119 @@ def _http_timeout_errors() -> tuple[type[BaseException], ...]:
     return (aiohttp.ServerTimeoutError, aiohttp.ConnectionTimeoutError)
 
 
+# --- TLS ------------------------------------------------------------------------------------------------------
+# grpc core's words for a failed handshake (older releases said "Ssl", 1.6x on say "Tls"). Not "Handshake read
+# failed (...)": that is the TCP connection dropping before any TLS was spoken (a proxy with no backend), retriable.
+_GRPC_HANDSHAKE: Final = ("Tls handshake failed", "Ssl handshake failed")
+# The OpenSSL / BoringSSL reason codes, as both libraries spell them in their messages.
+_SERVER_NOT_TRUSTED_CODES: Final = ("CERTIFICATE_VERIFY_FAILED", "is not in peer certificate")
+_CLIENT_REFUSED_CODES: Final = (
+    "ALERT_CERTIFICATE_REQUIRED",
+    "ALERT_UNKNOWN_CA",
+    "ALERT_BAD_CERTIFICATE",
+    "ALERT_CERTIFICATE_UNKNOWN",
+    "ALERT_CERTIFICATE_EXPIRED",
+    "ALERT_CERTIFICATE_REVOKED",
+    "ALERT_UNSUPPORTED_CERTIFICATE",
+    "ALERT_ACCESS_DENIED",
+    "ALERT_HANDSHAKE_FAILURE",
+    "PEER_DID_NOT_RETURN_A_CERTIFICATE",
+)
+_NOT_TLS_CODES: Final = ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE")
+
+SERVER_NOT_TRUSTED: Final = (
+    "the server's certificate is not trusted (not signed by the CA in TLSConfig.ca_file, or the system roots when "
+    "none is given, or not issued for this host name)"
+)
+CLIENT_CERT_REFUSED: Final = (
+    "the server refused the client certificate (none was given, or it is not signed by a CA the server trusts)"
+)
+CLOSED_AFTER_HANDSHAKE: Final = (
+    "the server closed the connection right after the TLS handshake, which a mutual-TLS server does when it refuses "
+    "the client certificate (none was given, or it is not signed by a CA the server trusts)"
+)
+NOT_TLS: Final = "the two sides do not both speak TLS on this port (check the URL's scheme and port)"
+TLS_FAILED: Final = "the TLS handshake failed"
+
+# grpc names the address it tried: "ipv4:127.0.0.1:8001", "ipv6:[::1]:8001".
+_GRPC_PEER: Final = re.compile(r"\bipv[46]:(\[[0-9A-Fa-f:.%]+\]|[0-9.]+):(\d+)")
+# A grpc connection attempt that the server ended after our TLS handshake had completed (no TLS words at all).
+# "Handshake read failed (Socket closed)" is the other case (no TLS spoken yet): the ": " before the words tells.
+_GRPC_CLOSED: Final = re.compile(
+    r"failed to connect to all addresses; .*: (Socket closed|recvmsg:Connection reset by peer \(\d+\))$"
+)
+
+
+def _reason_of(text: str) -> str:
+    if any(code in text for code in _SERVER_NOT_TRUSTED_CODES):
+        return SERVER_NOT_TRUSTED
+    if any(code in text for code in _CLIENT_REFUSED_CODES):
+        return CLIENT_CERT_REFUSED
+    if any(code in text for code in _NOT_TLS_CODES):
+        return NOT_TLS
+    return TLS_FAILED
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cur: BaseException | None = err
+    while cur is not None and cur not in seen and len(seen) < 8:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
+
+
+def _tls_failure(err: BaseException, message: str, tls_url: str | None) -> tuple[str, str | None] | None:
+    """``(reason, url)`` when ``err`` is a refused TLS handshake, else None.
+
+    What each side reports (seen with grpcio 1.85 against Triton 2.51, and aiohttp 3.x / OpenSSL 3):
+
+    * server certificate not trusted: grpc "Tls handshake failed (TSI_PROTOCOL_FAILURE): ... CERTIFICATE_VERIFY_FAILED";
+      aiohttp ``ClientConnectorCertificateError``;
+    * client certificate refused, by a server that sends the TLS alert (envoy, HAProxy, tools/tls_proxy.py): over
+      TLS 1.3 the alert arrives on the first read after the handshake, as ``ssl.SSLError``
+      "TLSV13_ALERT_CERTIFICATE_REQUIRED" / "TLSV1_ALERT_UNKNOWN_CA" (aiohttp ``ClientOSError``);
+    * client certificate refused by Triton's gRPC endpoint: Triton sends no alert, it closes the connection after the
+      handshake, and grpc says only "failed to connect to all addresses; ... Socket closed", as for a server that
+      closes for any other reason. Only a caller that knows the connection was TLS (``tls_url``) can tell.
+    """
+    from tritonclient.utils import InferenceServerException
+
+    if isinstance(err, grpc.RpcError | InferenceServerException):
+        peer = _GRPC_PEER.search(message)
+        url = tls_url or (f"grpcs://{peer.group(1)}:{peer.group(2)}" if peer else None)
+        if any(words in message for words in _GRPC_HANDSHAKE):
+            return _reason_of(message), url
+        if tls_url is not None and _GRPC_CLOSED.search(message):
+            return CLOSED_AFTER_HANDSHAKE, url
+        return None
+    chain = _chain(err)
+    if not any(isinstance(e, ssl.SSLError) for e in chain) and not _is_aiohttp_ssl(err):
+        return None
+    if any(isinstance(e, ssl.SSLEOFError | ssl.SSLZeroReturnError) for e in chain):
+        return None  # the connection dropped mid-way: nothing says which side refused what, retriable
+    host, port = getattr(err, "host", None), getattr(err, "port", None)
+    url = tls_url
+    if url is None and isinstance(host, str) and isinstance(port, int):
+        url = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+    if any(isinstance(e, ssl.SSLCertVerificationError | ssl.CertificateError) for e in chain):
+        return SERVER_NOT_TRUSTED, url
+    reason = _reason_of(" ".join(str(e) for e in chain))
+    if reason == TLS_FAILED and not _is_aiohttp_ssl(err):
+        # An SSL error after the handshake with no reason code of ours (a bad record, data after close_notify):
+        # the connection broke, as before.
+        return None
+    return reason, url
+
+
+def _is_aiohttp_ssl(err: BaseException) -> bool:
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(err, aiohttp.ClientSSLError)
+
+
 def map_error(
     err: BaseException,
     *,
@@ -141,10 +261,14 @@ def map_error(
     version: str | None = None,
     request_id: str | None = None,
     sequence_id: int | str | None = None,
+    tls_url: str | None = None,
 ) -> TritonError:
     """Translate ``err`` into the SDK's error tree (the caller raises the result ``from err``).
 
     An error that already is a :class:`TritonError` is returned with missing context filled in.
+    ``tls_url``: the transport's ``scheme://host:port`` when its connection is TLS. It names the server in a
+    :class:`TLSError`, and it is what lets a gRPC connection that the server closed right after the handshake read as
+    a refused client certificate (Triton sends no TLS alert: see :func:`_tls_failure`).
     """
     ctx: dict[str, object] = {
         "model": model,
@@ -161,6 +285,11 @@ def map_error(
     status: str | None
     message: str
     from tritonclient.utils import InferenceServerException
+
+    tls = _tls_error(err, model=model, version=version, request_id=request_id, sequence_id=sequence_id,
+                     tls_url=tls_url)  # fmt: skip
+    if tls is not None:
+        return tls
 
     if isinstance(err, InferenceServerException):
         status = _status_name(err.status())
@@ -194,6 +323,48 @@ def map_error(
     where = f"model {model!r}: " if model else ""
     return cls(
         f"{where}{message}",
+        model=model,
+        version=version,
+        request_id=request_id or None,
+        status=status,
+        sequence_id=sequence_id,
+    )
+
+
+def _error_text(err: BaseException) -> tuple[str | None, str]:
+    """``(status, message)`` of a gRPC or tritonclient error; ``(None, str(err))`` for anything else."""
+    from tritonclient.utils import InferenceServerException
+
+    if isinstance(err, InferenceServerException):
+        return _status_name(err.status()), err.message() or str(err)
+    if isinstance(err, grpc.RpcError):
+        code = err.code() if callable(getattr(err, "code", None)) else None
+        details = err.details() if callable(getattr(err, "details", None)) else None
+        return _status_name(code), str(details) if details else ""
+    return None, str(err)
+
+
+def _tls_error(
+    err: BaseException,
+    *,
+    model: str | None,
+    version: str | None,
+    request_id: str | None,
+    sequence_id: int | str | None,
+    tls_url: str | None,
+) -> TLSError | None:
+    status, text = _error_text(err)
+    found = _tls_failure(err, text, tls_url)
+    if found is None:
+        return None
+    reason, url = found
+    where = f"model {model!r}: " if model else ""
+    # The library's own words end the message: its reason code is what a search finds. They name certificates'
+    # problems, never their content, and no key material ever reaches an error.
+    return TLSError(
+        f"{where}TLS with {url or 'the server'} failed: {reason} [{text}]",
+        url=url,
+        reason=reason,
         model=model,
         version=version,
         request_id=request_id or None,

@@ -6,7 +6,8 @@
     ├── TransportError                  could not reach the server, or got no answer
     │   ├── ConnectError                    (also ConnectionError)
     │   ├── RequestTimeout                  (also TimeoutError): client deadline or server timeout
-    │   └── ServerUnavailable               UNAVAILABLE / RESOURCE_EXHAUSTED / HTTP 503: retriable
+    │   ├── ServerUnavailable               UNAVAILABLE / RESOURCE_EXHAUSTED / HTTP 503: retriable
+    │   └── TLSError                        the TLS handshake was refused, either way: never retried
     ├── ServerError                     the server answered, and refused
     │   ├── ModelNotFoundError              (also LookupError)
     │   ├── ModelNotReadyError
@@ -66,6 +67,7 @@ __all__ = [
     "SequenceError",
     "SequenceLost",
     "SequenceUsageError",
+    "TLSError",
     "ServerBinaryNotFound",
     "ServerError",
     "ServerStartTimeout",
@@ -119,7 +121,7 @@ class TransportError(TritonError):
 
 
 class ConnectError(TransportError, ConnectionError):
-    """No connection to the server (refused, DNS, TLS handshake, stream broken)."""
+    """No connection to the server (refused, DNS, stream broken); a refused TLS handshake is :class:`TLSError`."""
 
 
 class RequestTimeout(TransportError, TimeoutError):
@@ -128,6 +130,34 @@ class RequestTimeout(TransportError, TimeoutError):
 
 class ServerUnavailable(TransportError):
     """The server is up but refuses work for now (UNAVAILABLE, RESOURCE_EXHAUSTED, 503)."""
+
+
+class TLSError(TransportError):
+    """The TLS handshake failed: the server's certificate is not trusted, or the server refused the client's
+    certificate (a wrong one, or none where mutual TLS requires one), or one side does not speak TLS.
+
+    A configuration error that the next attempt would meet again: never retried, and not a sign that the server is
+    down (it is neither a :class:`ConnectError` nor a :class:`ServerUnavailable`). ``url`` is
+    ``scheme://host:port`` (None where the error did not say) and ``reason`` says which side refused, in words.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        reason: str = "the TLS handshake failed",
+        model: str | None = None,
+        version: str | None = None,
+        request_id: str | None = None,
+        status: str | None = None,
+        sequence_id: int | str | None = None,
+    ) -> None:
+        super().__init__(
+            message, model=model, version=version, request_id=request_id, status=status, sequence_id=sequence_id
+        )
+        self.url = url
+        self.reason = reason
 
 
 # --- the server refused ---------------------------------------------------------------
