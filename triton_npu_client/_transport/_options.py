@@ -21,7 +21,9 @@ class TLSConfig:
 
     ``ca_file`` verifies the server (system roots when None); ``cert_file`` + ``key_file`` authenticate the
     client (mutual TLS). ``server_name`` overrides the name checked in the server certificate.
-    Triton's own TLS is gRPC only; ``https://`` is for a TLS-terminating gateway in front of it.
+    Triton's own TLS is gRPC only; ``https://`` is for a TLS-terminating gateway in front of it (docs/security.md).
+    A handshake refused either way (server certificate not trusted, client certificate refused or missing) raises
+    :class:`~triton_npu_client.TLSError`, never retried. The repr shows the paths only; no key is ever read into one.
     """
 
     ca_file: str | None = attrs.field(default=None, converter=attrs.converters.optional(os.fspath))
