@@ -43,8 +43,8 @@ def _leaks(text: str) -> list[str]:
 
 def test_config_and_client_reprs_show_header_names_never_values(capsys: pytest.CaptureFixture[str]) -> None:
     """print(client.config), repr(config), repr(client) and a with_options() copy name the headers, hide every value."""
-    config = ClientConfig(url="grpc://127.0.0.1:1", headers=HEADERS)
-    copy = ClientConfig(url="http://127.0.0.1:2", headers=config.headers)
+    config = ClientConfig(urls="grpc://127.0.0.1:1", headers=HEADERS)
+    copy = ClientConfig(urls="http://127.0.0.1:2", headers=config.headers)
     print(config)
     print(copy)
     shown = capsys.readouterr().out + repr(config) + str(config) + repr(copy)

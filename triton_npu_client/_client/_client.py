@@ -401,6 +401,8 @@ class Client:
         copy leaves it open); anything else opens a new connection that the copy owns.
         """
         self._check_open()
+        if "url" in changes:  # the one-server spelling of urls
+            changes["urls"] = changes.pop("url")
         config = attrs.evolve(self._config, **changes)
         if set(changes) <= {"timeout_s", "retry", "coalescing"}:
             child = Client._from_config(config, self._transport, owns=False)
