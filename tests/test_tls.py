@@ -242,7 +242,11 @@ async def _raw_live(url: str, credentials: grpc.ChannelCredentials) -> grpc.aio.
 
 @pytest.mark.parametrize("client_cert", ["none", "signed by another CA", "self-signed"])
 async def test_mtls_a_missing_or_wrong_client_certificate_is_refused(
-    mtls_server: LocalTriton, certs: Certs, client_cert: str, retry_log: pytest.LogCaptureFixture
+    mtls_server: LocalTriton,
+    certs: Certs,
+    client_cert: str,
+    retry_log: pytest.LogCaptureFixture,
+    scale_spec: ModelSpec,
 ) -> None:
     """No client certificate, or one the server's CA did not sign: refused at once, typed, never retried.
 
@@ -264,12 +268,12 @@ async def test_mtls_a_missing_or_wrong_client_certificate_is_refused(
     async with Client(url, tls=tls, retry=RETRY, timeout_s=30) as client:
         with pytest.raises(TransportError) as refused:
             await client.model("scale_fp32")
-    err = refused.value
-    # TODO(lead): once GrpcTransport passes tls_url= to map_error (see the report), the client raises TLSError here
-    # and sends an inference once: _assert_tls_error(err, url=url, reason=CLOSED_AFTER_HANDSHAKE, certs=certs), and
-    # _infer_once(url, tls, scale_spec) sends 1. Until then it is ConnectError, retried.
-    assert isinstance(err.__cause__, grpc.aio.AioRpcError)
-    _assert_tls_error(map_error(err.__cause__, tls_url=url), url=url, reason=CLOSED_AFTER_HANDSHAKE, certs=certs)
+    # The transport knows its channel is TLS: the client raises TLSError, and an inference is sent once.
+    _assert_tls_error(refused.value, url=url, reason=CLOSED_AFTER_HANDSHAKE, certs=certs)
+    infer, sent = await _infer_once(url, tls, scale_spec)
+    _assert_tls_error(infer, url=url, reason=CLOSED_AFTER_HANDSHAKE, certs=certs)
+    assert sent == 1
+    assert _retries(retry_log) == []
 
 
 # --- grpcs:// with a server certificate only, and API keys --------------------------------------------------------
@@ -390,10 +394,9 @@ async def test_https_with_a_client_certificate_required_at_the_proxy(
             await client.model("scale_fp32")
     infer, sent = await _infer_once(mtls_proxy.url, tls, scale_spec, {"x-api-key": KEY})
     for err in (refused.value, infer):
-        # aiohttp's error for an alert after the handshake carries no address: the message says "the server" until
-        # HttpTransport passes tls_url= to map_error (TODO(lead), see the report); then url is mtls_proxy.url.
-        _assert_tls_error(err, url=None, reason=CLIENT_CERT_REFUSED, certs=certs)
-        assert "TLS with the server failed" in str(err)
+        # aiohttp's error for an alert after the handshake carries no address: the transport names its own URL.
+        _assert_tls_error(err, url=mtls_proxy.url, reason=CLIENT_CERT_REFUSED, certs=certs)
+        assert f"TLS with {mtls_proxy.url} failed" in str(err)
         assert ("CERTIFICATE_REQUIRED" if client_cert == "none" else "UNKNOWN_CA") in str(err)
         assert _key_leaks(_text(err)) == []
     assert sent == 1

@@ -130,6 +130,9 @@ class GrpcTransport:
             merged["grpc.ssl_target_name_override"] = tls.server_name
         self.channel_options: tuple[tuple[str, Any], ...] = tuple(merged.items())
         creds = tls.grpc_credentials() if tls is not None else None
+        # Triton refuses a client certificate by closing the connection without a TLS alert: only knowing that the
+        # channel is TLS tells that apart from a plain server hanging up (see map_error).
+        self._tls_url = f"grpcs://{target}" if creds is not None else None
         if creds is not None:
             self._channel = grpc.aio.secure_channel(target, creds, options=self.channel_options)
         else:
@@ -165,7 +168,7 @@ class GrpcTransport:
     # -- errors -------------------------------------------------------------------------------------
 
     def _map(self, err: BaseException, **ctx: Any) -> TritonError:
-        mapped = map_error(err, **ctx)
+        mapped = map_error(err, tls_url=self._tls_url, **ctx)
         # UNAVAILABLE also means "shutting down"; only the channel's own state says whether there was no
         # connection at all.
         if type(mapped) is ServerUnavailable:

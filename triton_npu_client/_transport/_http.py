@@ -113,22 +113,23 @@ class HttpTransport:
             ssl=tls is not None,
             ssl_context=tls.ssl_context() if tls is not None else None,
         )
+        # aiohttp's certificate errors do not carry the URL: the message names it from here.
+        self._tls_url = f"https://{target}" if tls is not None else None
         self._connections = asyncio.Semaphore(connections)
         self._closed = False
 
     def __repr__(self) -> str:
         return f"<HttpTransport {self.target}>"
 
-    @staticmethod
-    def _mapped(err: BaseException, ctx: Mapping[str, Any]) -> BaseException:
+    def _mapped(self, err: BaseException, ctx: Mapping[str, Any]) -> BaseException:
         from tritonclient.utils import InferenceServerException
 
         if isinstance(err, InferenceServerException | TimeoutError | OSError):
-            return map_error(err, **ctx)
+            return map_error(err, tls_url=self._tls_url, **ctx)
         import aiohttp
 
         if isinstance(err, aiohttp.ClientError):
-            return map_error(err, **ctx)
+            return map_error(err, tls_url=self._tls_url, **ctx)
         return err
 
     async def _call(self, coro: Any, timeout_s: float | None, **ctx: Any) -> Any:
