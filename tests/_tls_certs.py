@@ -13,7 +13,7 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["Certs", "make_certs"]
+__all__ = ["NAMED_SERVER", "Certs", "make_certs"]
 
 _SERIALS = itertools.count(1001)
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
@@ -33,6 +33,12 @@ class Certs:
     wrong_client_key: Path
     self_signed_cert: Path
     self_signed_key: Path
+    # Names only a DNS name (no address): a client connecting to an address must check it against that name.
+    named_server_cert: Path
+    named_server_key: Path
+
+
+NAMED_SERVER = "triton-fleet.test"
 
 
 def _openssl(*args: str) -> None:
@@ -47,12 +53,14 @@ def _ca(folder: Path, name: str) -> tuple[Path, Path]:
     return cert, key
 
 
-def _leaf(folder: Path, name: str, ca: tuple[Path, Path], *, server: bool) -> tuple[Path, Path]:
+def _leaf(
+    folder: Path, name: str, ca: tuple[Path, Path], *, server: bool, names: str = "DNS:localhost,IP:127.0.0.1"
+) -> tuple[Path, Path]:
     cert, key, csr, ext = (folder / f"{name}{s}" for s in (".pem", ".key", ".csr", ".ext"))
     _openssl("req", "-new", *_EC, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
     lines = ["basicConstraints=CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment"]
     if server:
-        lines += ["extendedKeyUsage=serverAuth", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
+        lines += ["extendedKeyUsage=serverAuth", f"subjectAltName={names}"]
     else:
         lines += ["extendedKeyUsage=clientAuth"]
     ext.write_text("\n".join(lines) + "\n")
@@ -69,6 +77,7 @@ def make_certs(folder: Path) -> Certs:
     server = _leaf(folder, "localhost", ca, server=True)
     other_server = _leaf(folder, "other-server", other, server=True)
     client = _leaf(folder, "client", ca, server=False)
+    named = _leaf(folder, NAMED_SERVER, ca, server=True, names=f"DNS:{NAMED_SERVER}")
     wrong = _leaf(folder, "wrong-client", other, server=False)
     lone = folder / "self-signed.pem", folder / "self-signed.key"
     _openssl("req", "-x509", *_EC, "-keyout", str(lone[1]), "-out", str(lone[0]), "-days", "2",
@@ -86,4 +95,6 @@ def make_certs(folder: Path) -> Certs:
         wrong_client_key=wrong[1],
         self_signed_cert=lone[0],
         self_signed_key=lone[1],
+        named_server_cert=named[0],
+        named_server_key=named[1],
     )

@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 import pytest
-from _tls_certs import Certs, make_certs
+from _tls_certs import NAMED_SERVER, Certs, make_certs
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tools.tls_proxy import TLSProxy
@@ -95,6 +95,15 @@ def mtls_server(repo: Path, certs: Certs) -> Iterator[LocalTriton]:
     yield from _serve(repo, [
         "--grpc-use-ssl=true", "--grpc-use-ssl-mutual=true", f"--grpc-root-cert={certs.ca}",
         f"--grpc-server-cert={certs.server_cert}", f"--grpc-server-key={certs.server_key}",
+    ])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def named_server(repo: Path, certs: Certs) -> Iterator[LocalTriton]:
+    """gRPC TLS with a certificate that names only a DNS name, as a pod's certificate names its Service."""
+    yield from _serve(repo, [
+        "--grpc-use-ssl=true", f"--grpc-server-cert={certs.named_server_cert}",
+        f"--grpc-server-key={certs.named_server_key}",
     ])  # fmt: skip
 
 
@@ -460,3 +469,25 @@ async def test_https_with_the_upstream_down_stays_a_retriable_connect_error(
     assert isinstance(err, ConnectError)
     assert not isinstance(err, TLSError)
     assert sent == RETRY.max_attempts
+
+
+async def test_a_fleet_found_through_dns_checks_each_replica_against_the_name(
+    named_server: LocalTriton, certs: Certs
+) -> None:
+    """``dns+grpcs://NAME`` connects to the addresses NAME resolves to, and checks each replica's certificate against
+    NAME: a certificate that names only the Service's DNS name is accepted; reached by its address it is not."""
+    port = named_server.grpc_port
+
+    async def resolver(host: str, _port: int) -> list[str]:
+        assert host == NAMED_SERVER
+        return ["127.0.0.1"]
+
+    tls = TLSConfig(ca_file=certs.ca)
+    async with Client(f"dns+grpcs://{NAMED_SERVER}:{port}", tls=tls, resolver=resolver) as fleet:
+        scale = await fleet.model("scale_fp32")
+        assert (await scale.infer(INPUT0=[5.0]))["OUTPUT0"].tolist() == [[10.0]]
+        assert [(s.url, s.healthy) for s in await fleet.replicas()] == [(f"grpcs://127.0.0.1:{port}", True)]
+    async with Client(f"grpcs://127.0.0.1:{port}", tls=tls, retry=RETRY) as by_address:
+        with pytest.raises(TLSError) as refused:
+            await by_address.model("scale_fp32")
+    assert refused.value.url == f"grpcs://127.0.0.1:{port}"

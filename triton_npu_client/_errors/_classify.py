@@ -144,9 +144,13 @@ def _http_timeout_errors() -> tuple[type[BaseException], ...]:
 # --- TLS ------------------------------------------------------------------------------------------------------
 # grpc core's words for a failed handshake (older releases said "Ssl", 1.6x on say "Tls"). Not "Handshake read
 # failed (...)": that is the TCP connection dropping before any TLS was spoken (a proxy with no backend), retriable.
-_GRPC_HANDSHAKE: Final = ("Tls handshake failed", "Ssl handshake failed")
+# grpc's words for a refused handshake; "Hostname Verification Check failed" is a certificate that does not name
+# the host connected to (e.g. reached by its address while it names only a DNS name).
+_GRPC_HANDSHAKE: Final = ("Tls handshake failed", "Ssl handshake failed", "Hostname Verification Check failed")
 # The OpenSSL / BoringSSL reason codes, as both libraries spell them in their messages.
-_SERVER_NOT_TRUSTED_CODES: Final = ("CERTIFICATE_VERIFY_FAILED", "is not in peer certificate")
+_SERVER_NOT_TRUSTED_CODES: Final = (
+    "CERTIFICATE_VERIFY_FAILED", "is not in peer certificate", "Hostname Verification Check failed"
+)  # fmt: skip
 _CLIENT_REFUSED_CODES: Final = (
     "ALERT_CERTIFICATE_REQUIRED",
     "ALERT_UNKNOWN_CA",
