@@ -35,6 +35,9 @@ from triton_npu_client._fleet import rendezvous, sequence_key
 
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 MODELS = ("scale_fp32", "seq_stats_oldest", "chat")
+# The third server has no chat model: chats must be placed (and replayed) only where the model is READY.
+WITHOUT_CHAT = 2
+MODELS_OF = [MODELS, MODELS, ("scale_fp32", "seq_stats_oldest")]
 NAME = "triton-fleet.test"  # never looked up: the resolver below answers it
 SEQUENCES = int(os.environ.get("TNC_FLEET_SEQUENCES", "300"))
 STEPS = 20
@@ -72,7 +75,8 @@ class Fleet:
         self.url = f"dns+grpc://{NAME}:{self.grpc}"
         self.urls = [f"grpc://{h}:{self.grpc}" for h in HOSTS]
 
-    def make(self, i: int, models: Sequence[str] = MODELS) -> LocalTriton:
+    def make(self, i: int, models: Sequence[str] | None = None) -> LocalTriton:
+        models = MODELS_OF[i] if models is None else models
         return LocalTriton(
             host=HOSTS[i], http_port=self.http, grpc_port=self.grpc, metrics_port=self.metrics,
             model_control_mode="explicit", load_models=list(models), stop_grace_s=0,
@@ -345,6 +349,7 @@ async def test_kill_one_replica_mid_run(fleet: Fleet, seed: Callable[[int], int]
         # Chats: the victim's replayed on another replica, with exactly an uninterrupted conversation's replies.
         victims_chats = [c for c in chat_results if c[0] == victim_url]
         assert victims_chats, "no chat was pinned to the killed replica"
+        assert all(c[0] != fleet.urls[WITHOUT_CHAT] for c in chat_results), "a chat went where no chat model is"
         # The same conversations once more, all at once, on the replicas still up, with nothing interrupting them.
         references = await asyncio.gather(
             *(_uninterrupted(client, i, chat.messages[0::2]) for i, (_, chat, _) in enumerate(chat_results))
@@ -355,7 +360,7 @@ async def test_kill_one_replica_mid_run(fleet: Fleet, seed: Callable[[int], int]
             assert [r.replayed for r in replies] == [False, replica == victim_url, False]
             if replica == victim_url:
                 assert replies[1].time_to_first_token_s is not None
-                assert await client.replica_for("chat", chat.sequence_id) != victim_url
+                assert await client.replica_for("chat", chat.sequence_id) == fleet.urls[0]  # the one chat replica left
             assert [r.text for r in replies] == reference, chat
         assert len({tuple(r) for r in references}) > CHATS // 2, "conversations got the same replies: a weak check"
 
