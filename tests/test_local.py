@@ -500,3 +500,24 @@ def _cmdline(p: Path) -> bytes:
         return (p / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+async def test_the_packaged_configs_are_the_same_without_tritons_auto_complete(
+    triton_server: tnc.LocalTriton, tmp_path: Path
+) -> None:
+    """The launcher turns Triton's auto-complete pass off for the packaged repository (a stub per Python model just to
+    complete a config it does not need to): the server must then give exactly the configs it gives with the pass on.
+
+    The session server runs the packaged repository (pass off); a second one runs the same models with it on.
+    """
+    assert triton_server.auto_complete_config is False
+    assert tnc.LocalTriton(tmp_path).auto_complete_config is True  # any other repository keeps Triton's default
+    models = ["scale_fp32", "seq_stats_oldest", "chat", "minilm", "dtypes_echo", "seq_count_stream"]
+    with_pass = tnc.LocalTriton(
+        model_control_mode="explicit", load_models=models, auto_complete_config=True, stop_grace_s=0
+    )
+    async with with_pass, tnc.Client(with_pass.grpc_url) as on, tnc.Client(triton_server.grpc_url) as off:
+        names = sorted(m.name for m in await on.repository_index() if m.state == "READY")
+        assert set(models) < set(names)  # the ensemble brought its steps
+        for name in names:
+            assert await on.model_config(name) == await off.model_config(name), name

@@ -76,7 +76,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve(repo: Path, args: list[str]) -> Iterator[LocalTriton]:
-    server = LocalTriton(repo, extra_args=args, stop_grace_s=0)
+    # Copies of packaged models, whose configs are complete: no auto-complete pass (a stub per model, ~1 s each).
+    server = LocalTriton(repo, extra_args=args, stop_grace_s=0, auto_complete_config=False)
     with server:
         yield server
     assert server.processes() == []

@@ -196,6 +196,11 @@ class LocalTriton:
     ``stop``/``astop`` send SIGTERM, then SIGKILL to the whole process group after ``stop_grace_s``;
     the temp folder goes too, except the log of a server that had exited on its own after a
     successful start (``log_path`` stays readable for the post-mortem).
+
+    ``auto_complete_config``: Triton's pass that completes each model's config, which for a Python-backend model
+    starts a stub of its own just to ask (about 1.2 s a model here). None (the default): off for the packaged
+    ``server_models/``, whose configs are complete (tests/test_local.py checks that the server gives the same
+    configs either way), on for any other repository.
     """
 
     def __init__(
@@ -211,6 +216,7 @@ class LocalTriton:
         model_control_mode: str = "none",
         load_models: Sequence[str] | None = None,
         startup_timeout_s: float = 120.0,
+        auto_complete_config: bool | None = None,
         stop_grace_s: float = 10.0,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
@@ -230,6 +236,9 @@ class LocalTriton:
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.extra_args = tuple(extra_args)
+        if auto_complete_config is None:
+            auto_complete_config = self.model_repository != default_model_repository().resolve()
+        self.auto_complete_config = auto_complete_config
         self._extra_env = dict(env or {})
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
@@ -385,6 +394,8 @@ class LocalTriton:
         if self.model_control_mode == "explicit":
             names = ("*",) if self.load_models is None else self.load_models
             args.extend(f"--load-model={name}" for name in names)
+        if not self.auto_complete_config:
+            args.append("--disable-auto-complete-config")
         args.extend(self.extra_args)
         return args, env
 
