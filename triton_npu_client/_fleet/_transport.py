@@ -312,6 +312,11 @@ class FleetTransport:
                 best = candidate
         return best
 
+    def _serving(self, model: str) -> list[Replica]:
+        """The healthy replicas with ``model`` READY (every healthy one when none has it: the server then says why)."""
+        healthy = [r for r in self._replicas.values() if r.state is True]
+        return [r for r in healthy if r.models is None or model in r.models] or healthy
+
     def _place_sequence(self, model: str, sequence_id: int | str, start: bool) -> Replica:
         key = sequence_key(model, sequence_id)
         pin = self._pins.get(key)
@@ -329,9 +334,7 @@ class FleetTransport:
                     model=model,
                     status="UNAVAILABLE",
                 )
-        healthy = [r for r in self._replicas.values() if r.state is True]
-        serving = [r for r in healthy if r.models is None or model in r.models] or healthy
-        chosen = rendezvous(key, ((r.url, r) for r in serving))
+        chosen = rendezvous(key, ((r.url, r) for r in self._serving(model)))
         if chosen is None:
             raise self._no_replica(model)
         self._pins[key] = (chosen, chosen.epoch)
@@ -342,9 +345,7 @@ class FleetTransport:
         pin = self._pins.get(sequence_key(model, sequence_id))
         if pin is not None and pin[0].epoch == pin[1] and self._replicas.get(pin[0].url) is pin[0]:
             return pin[0].url
-        healthy = [r for r in self._replicas.values() if r.state is True]
-        serving = [r for r in healthy if r.models is None or model in r.models] or healthy
-        chosen = rendezvous(sequence_key(model, sequence_id), ((r.url, r) for r in serving))
+        chosen = rendezvous(sequence_key(model, sequence_id), ((r.url, r) for r in self._serving(model)))
         return None if chosen is None else chosen.url
 
     def _after_sequence_call(
