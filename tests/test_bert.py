@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from triton_npu_client.server._bert import BertConfig, encode, load_bert, mean_pool, sentence_embeddings
+from triton_npu_client.server.encoder._bert import BertConfig, encode, load_bert, mean_pool, sentence_embeddings
 
 TOL = 1e-4
 VOCAB = 101

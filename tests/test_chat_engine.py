@@ -31,7 +31,7 @@ from triton_npu_client.server import (
     StepLoop,
     load_gpt2,
 )
-from triton_npu_client.server._chat import _byte_alphabet, _find_stop, _held_back, kv_bytes_per_position
+from triton_npu_client.server.chat._chat import _byte_alphabet, _find_stop, _held_back, kv_bytes_per_position
 
 FINAL = 1
 SPECIAL = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]

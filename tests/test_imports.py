@@ -58,7 +58,11 @@ def test_the_toolkit_package_loads_its_modules_on_first_use() -> None:
     assert _fresh("import triton_npu_client.server")["toolkit"] == []
     loaded = _fresh("from triton_npu_client.server import SequenceSlots")
     assert "triton_npu_client.server._state" in loaded["toolkit"]
-    assert "triton_npu_client.server._chat_model" not in loaded["toolkit"]
+    assert "triton_npu_client.server.chat._chat_model" not in loaded["toolkit"]
+    # An engine loads the toolkit and itself: the chat model leaves the encoder's folder unloaded.
+    chat = _fresh("from triton_npu_client.server import ChatModel")["toolkit"]
+    assert "triton_npu_client.server.chat._chat_model" in chat
+    assert [m for m in chat if m.startswith("triton_npu_client.server.encoder")] == []
 
 
 def test_model_py_imports_still_work() -> None:
@@ -66,8 +70,8 @@ def test_model_py_imports_still_work() -> None:
     code = (
         "from triton_npu_client.server import ChatModel, EncoderModel, RunningStatsModel, TokenizerModel\n"
         "from triton_npu_client.server import SEQUENCE_BUSY, SequenceBatching, StepLoop, gpt2_forward\n"
-        "from triton_npu_client.server._chat_model import ChatModel as C\n"
-        "from triton_npu_client.server._gpt2 import forward\n"
+        "from triton_npu_client.server.chat._chat_model import ChatModel as C\n"
+        "from triton_npu_client.server.chat._gpt2 import forward\n"
         "assert ChatModel is C and gpt2_forward is forward and SEQUENCE_BUSY.startswith('[triton-npu:')\n"
     )
     assert _fresh(code)["toolkit"]  # it ran, and loaded what it used

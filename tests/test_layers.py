@@ -33,6 +33,11 @@ RANK = {
 # The server toolkit runs inside Triton's stub: it imports nothing of the client. Its markers module imports
 # nothing at all, so the client's one error classifier may read the same phrases from it.
 SHARED_LEAFS = frozenset({"triton_npu_client.server._markers", "triton_npu_client.server._digest"})
+# Inside the server: its own modules are the generic toolkit; each folder is one model engine, named here on purpose.
+# The toolkit imports no engine; an engine imports the toolkit and itself, never another engine. The package's
+# __init__ (the facade) re-exports every public name of the toolkit and the engines (lazily), so it may import all.
+SERVER = f"{ROOT}.server"
+ENGINES = frozenset({"chat", "encoder"})
 
 
 def _module_name(path: Path) -> str:
@@ -78,6 +83,8 @@ def test_every_module_belongs_to_a_known_layer() -> None:
     """No module sits outside the layer table (a new folder must be placed in it on purpose)."""
     unknown = {m for m in _graph() if _layer(m) not in RANK and _layer(m) != "server"}
     assert unknown == set()
+    folders = {p.parent.relative_to(PACKAGE / "server").parts[0] for p in (PACKAGE / "server").glob("*/**/*.py")}
+    assert folders == ENGINES  # a new engine folder joins ENGINES; the toolkit has no folders
 
 
 def test_arrows_point_down_only() -> None:
@@ -98,6 +105,36 @@ def test_arrows_point_down_only() -> None:
             if not ok:
                 upward.append(f"{module} -> {target}")
     assert upward == []
+
+
+def _server_part(module: str) -> str:
+    """Which part of the server ``module`` is: "facade" (the package's __init__), "toolkit", or its engine's folder."""
+    if module == SERVER:
+        return "facade"
+    folder = module.split(".")[2]
+    return folder if folder in ENGINES else "toolkit"
+
+
+def _server_arrows_across(graph: dict[str, set[str]]) -> list[str]:
+    """The imports inside the server that cross from one part to a part it may not import."""
+    crossing = []
+    for module, targets in graph.items():
+        if not module.startswith(f"{SERVER}.") and module != SERVER:
+            continue
+        part = _server_part(module)
+        for target in targets:
+            if not target.startswith(f"{SERVER}.") and target != SERVER:
+                continue  # the client, or a server module importing it: test_arrows_point_down_only's concern
+            tpart = _server_part(target)
+            if not (part == "facade" or tpart == "toolkit" or tpart == part):
+                crossing.append(f"{module} -> {target}")
+    return sorted(crossing)
+
+
+def test_the_toolkit_imports_no_engine_and_engines_not_each_other() -> None:
+    """server/ imports no engine folder; server/<engine>/ imports the toolkit and itself, never another engine nor
+    the facade (which re-exports every engine)."""
+    assert _server_arrows_across(_graph()) == []
 
 
 def test_no_import_cycles() -> None:
@@ -154,3 +191,31 @@ def test_the_checker_sees_a_cycle_and_an_upward_arrow(tmp_path: Path) -> None:
         PACKAGE = saved
     assert graph == {"triton_npu_client._model.x": {"triton_npu_client._client"}}
     assert RANK[_layer("triton_npu_client._client")] > RANK[_layer("triton_npu_client._model.x")]
+
+
+def test_the_checker_sees_an_engine_importing_another_and_the_toolkit_importing_an_engine(tmp_path: Path) -> None:
+    """The server rule can fail: an engine reaching into another engine or through the facade, and a toolkit module
+    (lazily, in a function) reaching into an engine, are all found; the facade importing an engine and an engine
+    importing the toolkit are not."""
+    server = tmp_path / ROOT / "server"
+    for folder in ("chat", "encoder"):
+        (server / folder).mkdir(parents=True)
+    (server / "__init__.py").write_text("from .chat import x\n")
+    (server / "_state.py").write_text("")
+    (server / "_y.py").write_text("def f():\n    from .chat import x\n")
+    (server / "chat" / "x.py").write_text("from .._state import S\nfrom ..encoder import z\nfrom .. import ChatModel\n")
+    (server / "encoder" / "z.py").write_text("from .._state import S\n")
+    global PACKAGE
+    saved = PACKAGE
+    PACKAGE = tmp_path / ROOT
+    try:
+        graph = _graph()
+    finally:
+        PACKAGE = saved
+    assert _server_arrows_across(graph) == [
+        f"{SERVER}._y -> {SERVER}.chat",
+        f"{SERVER}._y -> {SERVER}.chat.x",
+        f"{SERVER}.chat.x -> {SERVER}",
+        f"{SERVER}.chat.x -> {SERVER}.encoder",
+        f"{SERVER}.chat.x -> {SERVER}.encoder.z",
+    ]

@@ -25,8 +25,8 @@ from tritonclient.utils import InferenceServerException
 
 from triton_npu_client import Client, InputDtypeError, InvalidArgumentError, LocalTriton, ModelStatistics
 from triton_npu_client.server import SentenceEncoderConfig, SentenceTokenizer, packaged_checkpoint
-from triton_npu_client.server._encoder import plan_chunks
 from triton_npu_client.server._files import read_json_config
+from triton_npu_client.server.encoder._encoder import plan_chunks
 
 COSINE_TOL = 1e-4
 DIM = 384

@@ -1,5 +1,13 @@
 """Server-side toolkit for Python-backend models inside Triton: sequence controls, state, device.
 
+This folder's own modules are the generic toolkit any stateful model can use: sequence controls (``_controls``),
+per-sequence slots and state (``_state``), the step loop of decoupled models (``_generate``), device choice
+(``_device``), the model config (``_config``), refusal markers (``_markers``), the chat history digest (``_digest``),
+checkpoint JSON files (``_files``) and the running-statistics model (``_model``). Each model engine lives in a
+folder of its own: ``chat/`` (GPT-2 decoder, KV cache, chat engine and model) and ``encoder/`` (BERT, the sentence
+tokenizer and encoder models). The toolkit imports no engine; an engine imports the toolkit and itself, never
+another engine (tests/test_layers.py). Every public name is re-exported here whichever folder defines it.
+
 Imports only the standard library and numpy (never the client, tritonclient or
 ``triton_python_backend_utils``), so model.py files, unit tests and ``bench/device_check.py`` can all
 use it. torch is imported lazily, and only for an instance that may use an accelerator (see
@@ -10,9 +18,6 @@ The one pb_utils-facing piece, :class:`RunningStatsModel`, takes that module as 
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from ._bert import BERT, BertConfig, load_bert, sentence_embeddings
-    from ._chat import ChatEngine, ChatMessage, ChatResponse, ChatTokenizer, ChatTurn, TurnOptions
-    from ._chat_model import ChatModel
     from ._config import SequenceBatching, model_parameter, parse_model_config
     from ._controls import FLAG_END, FLAG_START, SequenceControls, read_controls
     from ._device import (
@@ -26,7 +31,16 @@ if _typing.TYPE_CHECKING:
         probe_accelerators,
         to_host,
     )
-    from ._encoder import (
+    from ._generate import ExitReason, StepLoop, StepOutput, Stream
+    from ._markers import SEQUENCE_BUSY
+    from ._model import RunningStatsModel
+    from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
+    from .chat._chat import ChatEngine, ChatMessage, ChatResponse, ChatTokenizer, ChatTurn, TurnOptions
+    from .chat._chat_model import ChatModel
+    from .chat._gpt2 import GPT2, GPT2Config, GPT2Layer, KVCache, load_gpt2
+    from .chat._gpt2 import forward as gpt2_forward
+    from .encoder._bert import BERT, BertConfig, load_bert, sentence_embeddings
+    from .encoder._encoder import (
         EncoderModel,
         SentenceEncoder,
         SentenceEncoderConfig,
@@ -34,28 +48,22 @@ if _typing.TYPE_CHECKING:
         TokenizerModel,
         packaged_checkpoint,
     )
-    from ._generate import ExitReason, StepLoop, StepOutput, Stream
-    from ._gpt2 import GPT2, GPT2Config, GPT2Layer, KVCache, load_gpt2
-    from ._gpt2 import forward as gpt2_forward
-    from ._markers import SEQUENCE_BUSY
-    from ._model import RunningStatsModel
-    from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
 
 # Every name loads its module on first use (PEP 562): the client imports the leaf modules _markers and _digest, and
 # Python runs this file first, so an eager import here would load the whole toolkit (numpy models, tokenizers)
 # into every client process. A name maps to its module, or to (module, name there) when it is renamed here.
 _LAZY: dict[str, str | tuple[str, str]] = {
-    "BERT": "_bert",
-    "BertConfig": "_bert",
-    "load_bert": "_bert",
-    "sentence_embeddings": "_bert",
-    "ChatEngine": "_chat",
-    "ChatMessage": "_chat",
-    "ChatResponse": "_chat",
-    "ChatTokenizer": "_chat",
-    "ChatTurn": "_chat",
-    "TurnOptions": "_chat",
-    "ChatModel": "_chat_model",
+    "BERT": "encoder._bert",
+    "BertConfig": "encoder._bert",
+    "load_bert": "encoder._bert",
+    "sentence_embeddings": "encoder._bert",
+    "ChatEngine": "chat._chat",
+    "ChatMessage": "chat._chat",
+    "ChatResponse": "chat._chat",
+    "ChatTokenizer": "chat._chat",
+    "ChatTurn": "chat._chat",
+    "TurnOptions": "chat._chat",
+    "ChatModel": "chat._chat_model",
     "SequenceBatching": "_config",
     "model_parameter": "_config",
     "parse_model_config": "_config",
@@ -72,22 +80,22 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "parse_device_ids": "_device",
     "probe_accelerators": "_device",
     "to_host": "_device",
-    "EncoderModel": "_encoder",
-    "SentenceEncoder": "_encoder",
-    "SentenceEncoderConfig": "_encoder",
-    "SentenceTokenizer": "_encoder",
-    "TokenizerModel": "_encoder",
-    "packaged_checkpoint": "_encoder",
+    "EncoderModel": "encoder._encoder",
+    "SentenceEncoder": "encoder._encoder",
+    "SentenceEncoderConfig": "encoder._encoder",
+    "SentenceTokenizer": "encoder._encoder",
+    "TokenizerModel": "encoder._encoder",
+    "packaged_checkpoint": "encoder._encoder",
     "ExitReason": "_generate",
     "StepLoop": "_generate",
     "StepOutput": "_generate",
     "Stream": "_generate",
-    "GPT2": "_gpt2",
-    "GPT2Config": "_gpt2",
-    "GPT2Layer": "_gpt2",
-    "KVCache": "_gpt2",
-    "gpt2_forward": ("_gpt2", "forward"),
-    "load_gpt2": "_gpt2",
+    "GPT2": "chat._gpt2",
+    "GPT2Config": "chat._gpt2",
+    "GPT2Layer": "chat._gpt2",
+    "KVCache": "chat._gpt2",
+    "gpt2_forward": ("chat._gpt2", "forward"),
+    "load_gpt2": "chat._gpt2",
     "SEQUENCE_BUSY": "_markers",
     "RunningStatsModel": "_model",
     "BatchPlan": "_state",

@@ -1,7 +1,7 @@
 """Reading a checkpoint folder's JSON files (``config.json``, sentence-transformers' module configs).
 
-Shared by the model loaders (``_gpt2``, ``_bert``, ``_encoder``) so that each accepts a file or its folder the
-same way and fails with the same message.
+Shared by the engines' model loaders (``chat/_gpt2``, ``encoder/_bert``, ``encoder/_encoder``) so that each accepts a
+file or its folder the same way and fails with the same message.
 """
 
 from __future__ import annotations

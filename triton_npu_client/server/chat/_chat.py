@@ -1,6 +1,6 @@
 """A chat engine: GPT-2 conversations whose KV caches stay on the device, decoded together, streamed piece by piece.
 
-It plugs into :class:`~._generate.StepLoop` as its three callbacks:
+It plugs into :class:`~.._generate.StepLoop` as its three callbacks:
 
 - ``admit`` (a turn arrives): parse it, fit it into the context, prefill only the tokens the
   conversation's cache does not hold yet, keep the logits of the last position;
@@ -51,13 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from ._controls import CorrelationId, SequenceControls
-from ._digest import EMPTY, history_digest
-from ._generate import ExitReason, StepOutput, Stream
+from .._controls import CorrelationId, SequenceControls
+from .._digest import EMPTY, history_digest
+from .._generate import ExitReason, StepOutput, Stream
+from .._markers import SEQUENCE_UNKNOWN
+from .._state import SequenceSlots
 from ._gpt2 import GPT2, KVCache
 from ._gpt2 import forward as gpt2_forward
-from ._markers import SEQUENCE_UNKNOWN
-from ._state import SequenceSlots
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._files import read_json_config
+from .._files import read_json_config
 
 if TYPE_CHECKING:
     import torch

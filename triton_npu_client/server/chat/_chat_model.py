@@ -33,10 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from ._chat import ChatEngine, ChatResponse, ChatTokenizer, InputLimits, RefusalKind, kv_bytes_per_position
-from ._config import SequenceBatching, model_parameter, parse_model_config
-from ._controls import CorrelationId, read_controls
-from ._device import (
+from .._config import SequenceBatching, model_parameter, parse_model_config
+from .._controls import CorrelationId, read_controls
+from .._device import (
     Accelerators,
     accelerator_possible,
     activate,
@@ -44,10 +43,11 @@ from ._device import (
     parse_device_ids,
     probe_accelerators,
 )
-from ._generate import StepLoop
+from .._generate import StepLoop
+from .._markers import INVALID_INPUT
+from .._state import SequenceSlots
+from ._chat import ChatEngine, ChatResponse, ChatTokenizer, InputLimits, RefusalKind, kv_bytes_per_position
 from ._gpt2 import KVCache, load_gpt2
-from ._markers import INVALID_INPUT
-from ._state import SequenceSlots
 
 __all__ = ["ChatModel"]
 

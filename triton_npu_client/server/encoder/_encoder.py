@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ._bert import encode, load_bert, mean_pool, sentence_embeddings
-from ._config import model_parameter, parse_model_config
-from ._device import (
+from .._config import model_parameter, parse_model_config
+from .._device import (
     Accelerators,
     DeviceChoice,
     accelerator_possible,
@@ -39,7 +38,8 @@ from ._device import (
     probe_accelerators,
     to_host,
 )
-from ._files import read_json_config
+from .._files import read_json_config
+from ._bert import encode, load_bert, mean_pool, sentence_embeddings
 
 if TYPE_CHECKING:
     import torch
