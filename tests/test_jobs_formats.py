@@ -19,9 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from triton_npu_client._jobs import CheckpointMismatch
-from triton_npu_client._jobs import _formats as formats
-from triton_npu_client._jobs._formats import BadRow, OutputShapeError, open_writer, read_rows
+from triton_npu_client._jobs import CheckpointMismatch, formats
+from triton_npu_client._jobs.formats import BadRow, OutputShapeError, _base, open_writer, read_rows
 
 # --- readers --------------------------------------------------------------------------------------------------------
 
@@ -123,7 +122,7 @@ def test_npy_rows_in_blocks_start_total_and_fortran_order(tmp_path: Path, monkey
     data = np.arange(7 * 2 * 3, dtype=np.float32).reshape(7, 2, 3)
     path = tmp_path / "in.npy"
     np.save(path, data)
-    monkeypatch.setattr(formats, "_BLOCK_BYTES", 2 * data[0].nbytes + 1)  # blocks of 2 rows: 4 reads
+    monkeypatch.setattr(_base, "BLOCK_BYTES", 2 * data[0].nbytes + 1)  # blocks of 2 rows: 4 reads
     source = read_rows(path, input_names=["X"])
     rows = list(source)
     assert source.total == 7
@@ -147,7 +146,7 @@ def test_npy_rows_in_blocks_start_total_and_fortran_order(tmp_path: Path, monkey
 
 
 def test_readers_hold_a_bounded_part_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(formats, "_BLOCK_BYTES", 1 << 20)
+    monkeypatch.setattr(_base, "BLOCK_BYTES", 1 << 20)
     npy = tmp_path / "big.npy"
     np.save(npy, np.zeros((4096, 1024), dtype=np.float32))  # 16 MiB
     jsonl = tmp_path / "big.jsonl"
@@ -411,7 +410,7 @@ def test_parquet_writer_round_trip_types_and_no_parts_left(tmp_path: Path) -> No
 
 
 def test_parquet_merge_keeps_row_groups_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(formats, "_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(_base, "BLOCK_BYTES", 4096)
     writer = open_writer(tmp_path / "out.parquet", fingerprint="f")
     writer.open()
     for i in range(600):

@@ -36,7 +36,7 @@ from triton_npu_client import (
     score_rows,
     score_sync,
 )
-from triton_npu_client._jobs._formats import BadRow
+from triton_npu_client._jobs.formats import BadRow
 
 
 def probe_rows(n: int, *, delay_ms: float = 0.0, seed: int = 0) -> list[dict[str, list[float]]]:

@@ -35,7 +35,7 @@ from triton_npu_client._jobs import (
     SameFileError,
     plan_job,
 )
-from triton_npu_client._jobs._formats import BadRow, open_writer, read_rows
+from triton_npu_client._jobs.formats import BadRow, open_writer, read_rows
 from triton_npu_client.cli._score import EXIT_CODES
 
 

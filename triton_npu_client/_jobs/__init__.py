@@ -1,12 +1,11 @@
 """Jobs above the client: scoring many rows through a model, in order, bounded, resumable.
 
 ``_ordered`` (the bounded, ordered call window) and ``_checkpoint`` (the crash-safe output) are the parts;
-``_formats`` reads and writes the files; ``_safety`` and ``_plan`` check a job's paths and checkpoint before anything
-is opened; ``_score`` is the job.
+``formats`` reads and writes the files (a module per format); ``_safety`` and ``_plan`` check a job's paths and
+checkpoint before anything is opened; ``_score`` is the job.
 """
 
 from ._checkpoint import CheckpointMismatch, ResumableOutput
-from ._formats import MAX_LINE_BYTES
 from ._ordered import ordered_map
 from ._plan import JobPlan, plan_job
 from ._safety import (
@@ -21,6 +20,7 @@ from ._safety import (
     UnknownFormatError,
 )
 from ._score import ScoredRow, ScoreSummary, score, score_rows, score_sync
+from .formats import MAX_LINE_BYTES, read_rows
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -40,6 +40,7 @@ __all__ = [
     "UnknownFormatError",
     "ordered_map",
     "plan_job",
+    "read_rows",
     "score",
     "score_rows",
     "score_sync",

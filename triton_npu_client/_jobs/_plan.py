@@ -14,8 +14,8 @@ from pathlib import Path
 import attrs
 
 from ._checkpoint import SavedCheckpoint
-from ._formats import ResultWriter, input_fingerprint, input_format, open_writer, output_format
 from ._safety import CheckpointMismatch, ResumeNotConfirmed, check_input, check_job_paths
+from .formats import ResultWriter, input_fingerprint, input_format, open_writer, output_format
 
 __all__ = ["JobPlan", "plan_job"]
 

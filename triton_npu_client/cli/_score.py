@@ -154,9 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _preflight(ns: argparse.Namespace) -> None:
     """Every check that needs no server: paths, formats, the checkpoint, the input's own structure."""
     checked_urls(ns.url)
-    from .._jobs import plan_job
-    from .._jobs._formats import read_rows
-    from .._jobs._safety import InputFileError, JobPathError
+    from .._jobs import InputFileError, JobPathError, plan_job, read_rows
 
     plan = plan_job(
         ns.input, ns.output, model=ns.model, errors=ns.errors, batch_size=ns.batch_size, outputs=ns.output_name,
