@@ -30,6 +30,7 @@ from triton_npu_client import (
     InternalServerError,
     InvalidArgumentError,
     LocalTriton,
+    ModelNotFoundError,
     RequestTimeout,
     SequenceClosedError,
     SequenceLost,
@@ -531,6 +532,43 @@ async def live(client: Client) -> int:
         inputs = {"ROLE": np.array(["user"], object), "TEXT": np.array([b"hi"], object), "MAX_TOKENS": [1]}
         results = [r async for r in probe.stream(inputs)]
     return int(results[-1]["LIVE"].reshape(-1)[0])
+
+
+async def test_client_chat_and_model_chat_are_one_shape(client: Client) -> None:
+    """client.chat(name) is the ChatSession model.chat() gives, made without I/O (the model is reached when the
+    chat is entered or sends its first turn), and both are used the same ways: entered, or used and then closed."""
+    unknown = client.chat("no_such_model", max_tokens=2)  # nothing sent yet: no error here
+    assert isinstance(unknown, ChatSession)
+    assert unknown.model == "no_such_model"
+    with pytest.raises(SequenceUsageError, match="enter it"):
+        unknown.sequence_id  # noqa: B018
+    with pytest.raises(ModelNotFoundError):
+        await unknown.ask("hello")
+    with pytest.raises(ChatOptionError, match="'max_tokens'"):
+        client.chat(MODEL, max_tokens=0)  # options are checked at the call, as model.chat() checks them
+
+    model = await client.model(MODEL)
+    baseline = await live(client)
+    for chat in (client.chat(MODEL, system=SYSTEM, max_tokens=2), model.chat(system=SYSTEM, max_tokens=2)):
+        assert isinstance(chat, ChatSession)
+        assert (await chat.ask("hello")).tokens > 0  # used without entering it
+        assert isinstance(chat.sequence_id, int)
+        assert await live(client) == baseline + 1
+        await chat.aclose()  # END: the server frees the conversation
+        assert await live(client) == baseline
+        with pytest.raises(SequenceClosedError):
+            await chat.ask("again")
+    for chat in (client.chat(MODEL, max_tokens=2), model.chat(max_tokens=2)):
+        async with chat as entered:
+            assert entered is chat
+            assert isinstance(chat.sequence_id, int)  # known once entered
+            assert (await chat.ask("hello")).tokens > 0
+        assert not chat.is_open
+    assert await live(client) == baseline
+    never_used = client.chat(MODEL)
+    await never_used.aclose()  # closed before it reached the model: nothing to end, no turn afterwards
+    with pytest.raises(SequenceClosedError, match="is closed"):
+        await never_used.ask("hello")
 
 
 async def solo_replay(client: Client, messages: tuple[ChatMessage, ...], **options: int) -> tuple[str, int]:

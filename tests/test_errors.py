@@ -223,3 +223,50 @@ def test_loss_signals_but_not_timeouts_become_sequence_lost() -> None:
     assert verdict.error is timeout
     assert verdict.lost
     assert verdict.send_end
+
+
+# --- the one tree --------------------------------------------------------------------------------
+
+
+def test_every_public_exception_is_defined_in_the_one_tree() -> None:
+    """Every exception (or warning) class the package exports is defined in ``_errors/_exceptions.py``, exported
+    by ``_errors`` under the same name, and drawn in that module's tree (its docstring)."""
+    import triton_npu_client
+    from triton_npu_client import _errors
+    from triton_npu_client._errors import _exceptions
+
+    public = {
+        name: value
+        for name in triton_npu_client.__all__
+        if isinstance(value := getattr(triton_npu_client, name), type) and issubclass(value, BaseException)
+    }
+    assert {"ChatOptionError", "ChatBusyError", "ChatMessageError", "ChatHistoryMismatch", "JobPathError"} <= set(
+        public
+    )
+    here = _exceptions.__name__
+    outside = sorted(f"{name} ({cls.__module__})" for name, cls in public.items() if cls.__module__ != here)
+    assert outside == []
+    assert all(getattr(_errors, name) is cls for name, cls in public.items())
+    drawn = set((_exceptions.__doc__ or "").split())
+    assert [name for name in public if name not in drawn] == []
+    # And nothing defined there is left out of the public namespace.
+    defined = {n for n, v in vars(_exceptions).items() if isinstance(v, type) and v.__module__ == _exceptions.__name__}
+    assert defined == set(public)
+
+
+def test_the_classifier_loads_on_first_use() -> None:
+    """``_errors`` exports the classifier's names, but importing the package loads neither it nor grpc (the server
+    toolkit inside Triton's stub imports the package); the first use of one of its names does."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import triton_npu_client._errors as errors\n"
+        "before = ('triton_npu_client._errors._classify' in sys.modules, 'grpc' in sys.modules)\n"
+        "from triton_npu_client._errors import judge_step\n"
+        "from triton_npu_client._errors._classify import judge_step as original\n"
+        "print(before, judge_step is original, 'judge_step' in errors.__all__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "(False, False) True True"

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from triton_npu_client import LocalTriton, SequenceClosedError, SequenceUsageError
+from triton_npu_client import LocalTriton, ModelNotFoundError, SequenceClosedError, SequenceSession, SequenceUsageError
 from triton_npu_client._client import Client, Model
 from triton_npu_client._sessions._sequence import MAX_INT_ID, new_sequence_id, open_sequence, validate_sequence_id
 
@@ -258,3 +258,45 @@ async def test_a_step_queued_for_a_connection_past_the_idle_timeout_is_warned_wh
             with pytest.warns(SequenceIdleWarning, match="leaves"), pytest.raises(SequenceLost):
                 await seq.infer(X=np.ones(4, np.float32))
             await hog
+
+
+async def test_client_sequence_is_the_session_model_sequence_gives(grpc_client: Client) -> None:
+    """client.sequence(name) is a SequenceSession, as model.sequence() is, made without I/O: the model is reached
+    when the session is entered or sends its first step, and the session is used the same way either way."""
+    unknown = grpc_client.sequence("no_such_model")  # nothing sent yet: no error here
+    assert isinstance(unknown, SequenceSession)
+    assert unknown.model == "no_such_model"
+    with pytest.raises(SequenceUsageError, match="enter it"):
+        unknown.sequence_id  # noqa: B018
+    with pytest.raises(ModelNotFoundError):
+        await unknown.infer(X=np.zeros(4, np.float32))
+    with pytest.raises(ModelNotFoundError):
+        async with grpc_client.sequence("no_such_model"):
+            pass
+    with pytest.raises(TypeError, match="no_such_option"):
+        grpc_client.sequence("seq_stats_oldest", no_such_option=1)  # type: ignore[call-arg]
+
+    model = await model_on(grpc_client, grpc_client, "seq_stats_oldest")
+    live = await live_sequences(model)
+    x = np.array([1, 2, 3, 4], np.float32)
+    for seq in (grpc_client.sequence("seq_stats_oldest"), model.sequence()):
+        assert isinstance(seq, SequenceSession)
+        await seq.infer(X=x)  # used without entering it: the first step reaches the model
+        assert (await seq.infer(X=x))["COUNT"].tolist() == [[2]]
+        assert isinstance(seq.sequence_id, int)
+        assert seq.spec.name == "seq_stats_oldest"
+        assert await live_sequences(model) == live + 1
+        await seq.aclose()  # END: the server frees it
+        assert await live_sequences(model) == live
+        with pytest.raises(SequenceClosedError):
+            await seq.infer(X=x)
+    for seq in (grpc_client.sequence("seq_stats_oldest"), model.sequence()):
+        async with seq as entered:
+            assert entered is seq
+            assert isinstance(seq.sequence_id, int)  # known once entered
+            assert (await seq.end(X=x))["COUNT"].tolist() == [[1]]
+    closed = grpc_client.sequence("seq_stats_oldest")
+    await closed.aclose()  # closed before it reached the model: nothing to end, and no step afterwards
+    with pytest.raises(SequenceClosedError, match="closed before its first step"):
+        await closed.infer(X=x)
+    assert await live_sequences(model) == live

@@ -14,8 +14,7 @@ from .._errors import ClientClosedError, TritonError
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
 from .._trace import start as start_span
-from .._transport import Transport
-from .._transport._base import OnSend, Responses, Route
+from .._transport import OnSend, Responses, Route, Transport
 from .._wire import InferRequest, InferResult
 from ._coalesce import Coalescer
 from ._defaults import UseClientDefault

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 import attrs
 
-from .._call import USE_CLIENT_DEFAULT, Coalescer, Coalescing, RetryPolicy, UseClientDefault
-from .._call._caller import Caller
+from .._call import USE_CLIENT_DEFAULT, Caller, Coalescer, Coalescing, RetryPolicy, UseClientDefault
 from .._errors import (
     ClientClosedError,
     ConnectError,
@@ -26,9 +24,8 @@ from .._errors import (
 )
 from .._fleet import DNS_PREFIX, FleetOptions, FleetTransport, Place, ReplicaStatus, Resolver, parse_endpoint
 from .._model import ModelSpec, Plans
-from .._sessions import ChatMessage, ChatSession, SequenceSession
-from .._transport import GrpcTransport, HttpTransport, TLSConfig, Transport
-from .._transport._http import DEFAULT_HTTP_CONNECTIONS
+from .._sessions import ChatMessage, ChatSession, SequenceSession, defer_chat, defer_sequence
+from .._transport import DEFAULT_HTTP_CONNECTIONS, GrpcTransport, HttpTransport, TLSConfig, Transport
 from ._model import Model
 
 # The defaults themselves are Coalescing's: written once, there.
@@ -652,18 +649,20 @@ class Client:
             known = self._models[key] = (spec, {})
         return Model(self._caller, known[0], known[1])
 
-    @contextlib.asynccontextmanager
-    async def sequence(self, name: str, *, version: str = "", **options: Any) -> AsyncIterator[SequenceSession]:
-        """``async with client.sequence(name) as seq:``: fetch the model (cached), then open a session on it.
+    def sequence(self, name: str, *, version: str = "", **options: Any) -> SequenceSession:
+        """``async with client.sequence(name) as seq:``: the session ``model.sequence(**options)`` gives, by name.
 
-        Options are those of ``model.sequence()``.
+        Options are those of ``model.sequence()``. Nothing is sent here: the model is fetched (cached by the
+        client) when the session is entered or sends its first step.
         """
-        model = await self.model(name, version=version)
-        async with model.sequence(**options) as seq:
-            yield seq
+        self._check_open()
 
-    @contextlib.asynccontextmanager
-    async def chat(
+        async def fetch() -> Model:
+            return await self.model(name, version=version)
+
+        return defer_sequence(name, fetch, **options)
+
+    def chat(
         self,
         name: str,
         *,
@@ -680,11 +679,13 @@ class Client:
         sequence_id: int | str | None = None,
         timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
         replay_on_loss: bool = False,
-    ) -> AsyncIterator[ChatSession]:
-        """``async with client.chat(name, system=...) as chat:``: fetch the model (cached), open a chat on it.
+    ) -> ChatSession:
+        """``async with client.chat(name, system=...) as chat:``: the chat ``model.chat(...)`` gives, by name.
 
-        The options are those of ``model.chat()`` (:func:`triton_npu_client.open_chat`). A chat model is decoupled,
-        which Triton serves over the gRPC stream only: an HTTP client is refused here, before anything is sent.
+        The same :class:`ChatSession`, used the same way (``async with``, or ``await chat.aclose()`` when done).
+        The options are those of ``model.chat()`` (:func:`triton_npu_client.open_chat`), checked here; nothing is
+        sent here: the model is fetched (cached by the client) when the chat is entered or sends its first turn.
+        A chat model is decoupled, which Triton serves over the gRPC stream only: an HTTP client is refused here.
         To replay a conversation into a fresh chat: ``client.chat(name, history=old.messages)``.
         """
         self._check_open()
@@ -694,10 +695,12 @@ class Client:
                 f"this client speaks {self._transport.protocol}: use a gRPC client (grpc://)",
                 model=name,
             )
-        model = await self.model(name, version=version)
-        async with model.chat(
-            system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, sequence_id=sequence_id, timeout_s=timeout_s,
-            replay_on_loss=replay_on_loss,
-        ) as chat:
-            yield chat
+
+        async def fetch() -> Model:
+            return await self.model(name, version=version)
+
+        return defer_chat(
+            name, fetch, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, sequence_id=sequence_id,
+            timeout_s=timeout_s, replay_on_loss=replay_on_loss,
+        )

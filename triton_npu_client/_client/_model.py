@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from .._call import USE_CLIENT_DEFAULT, UseClientDefault
-from .._call._caller import Caller
+from .._call import USE_CLIENT_DEFAULT, Caller, UseClientDefault
 from .._errors import UsageError
 from .._model import InputsArg, ModelSpec, Plans, build_request
 from .._sessions import ChatMessage, ChatSession, SequenceSession, open_chat, open_sequence

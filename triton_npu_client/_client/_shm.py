@@ -33,8 +33,7 @@ import numpy as np
 import tritonclient.utils.shared_memory as tshm
 from tritonclient.grpc import service_pb2
 
-from .._call import USE_CLIENT_DEFAULT, UseClientDefault
-from .._call._retry import run_with_retry
+from .._call import USE_CLIENT_DEFAULT, UseClientDefault, run_with_retry
 from .._errors import (
     ClientClosedError,
     InternalServerError,
@@ -44,10 +43,8 @@ from .._errors import (
     TritonError,
     UsageError,
 )
-from .._transport import GrpcTransport
-from .._transport._base import server_timeout_us
-from .._wire import InferRequest, InferResult, ShmPlace, from_wire
-from .._wire._dtypes import numpy_dtype
+from .._transport import GrpcTransport, server_timeout_us
+from .._wire import InferRequest, InferResult, ShmPlace, from_wire, numpy_dtype
 from ._model import Model
 
 __all__ = ["PREFIX", "SharedMemoryPool", "SharedMemoryStats"]

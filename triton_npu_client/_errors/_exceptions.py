@@ -2,7 +2,7 @@
 
 ::
 
-    TritonError                         base; carries model / version / request_id / status
+    TritonError                         base; carries model / version / request_id / status / sequence_id
     ├── TransportError                  could not reach the server, or got no answer
     │   ├── ConnectError                    (also ConnectionError)
     │   ├── RequestTimeout                  (also TimeoutError): client deadline or server timeout
@@ -15,8 +15,10 @@
     │   ├── PermissionDeniedError           restricted protocol / missing API key
     │   ├── SequenceError                   sequence misuse the server detected
     │   │   ├── SequenceLost                the server no longer knows the sequence
-    │   │   └── SequenceCapacityError       the model holds as many sequences as it can: START later
+    │   │   ├── SequenceCapacityError       the model holds as many sequences as it can: START later
+    │   │   └── SequenceBusyError           the sequence's previous step still streams on the server
     │   └── InternalServerError             model raised, stub died, anything else
+    │       └── ChatHistoryMismatch         a chat's two sides disagree on the conversation (never expected)
     ├── UsageError                      the SDK was used wrongly; detected before any network call
     │   ├── InputError                      (also ValueError) base of the input-builder errors
     │   │   ├── UnknownInputError
@@ -28,7 +30,22 @@
     │   ├── UnknownOutputError              (also ValueError)
     │   ├── ClientClosedError               (also RuntimeError)
     │   ├── SequenceClosedError             (also RuntimeError): a step after END
-    │   └── SequenceUsageError              (also ValueError): not a stateful model, or a bad sequence id
+    │   ├── SequenceUsageError              (also ValueError): not a stateful model, or a bad sequence id
+    │   ├── ChatOptionError                 (also ValueError): a chat option the model cannot take
+    │   ├── ChatMessageError                (also ValueError): a malformed chat message
+    │   ├── ChatBusyError                   (also RuntimeError): a turn while another of the chat streams
+    │   ├── RowParseError                   (also ValueError): a scoring job's input row could not be read
+    │   ├── JobPathError                    (also ValueError): a scoring job's path cannot be used
+    │   │   ├── InputFileError                  the input cannot be read as rows
+    │   │   │   └── InputFileNotFound           (also FileNotFoundError)
+    │   │   ├── UnknownFormatError              a format not known from the suffix, or not one the job handles
+    │   │   ├── SameFileError                   two of the job's paths are one file (the input among them)
+    │   │   ├── OutputExistsError               (also FileExistsError): a file the job did not write
+    │   │   ├── OutputFolderError               the folder is missing or not writable
+    │   │   └── ResumeNotConfirmed              an in-memory source met a checkpoint: resume=True or overwrite
+    │   └── CheckpointMismatch              (also RuntimeError): the checkpoint belongs to another job
+    │       └── CheckpointFilesMismatch         the checkpoint disagrees with the files it describes
+    ├── JobAborted                      a scoring job stopped: the server stayed unreachable past its patience
     └── LocalServerError                starting a local tritonserver failed
         ├── ServerBinaryNotFound            (also FileNotFoundError)
         ├── StubNotFound                    no Python-backend stub for this Python
@@ -36,47 +53,70 @@
         ├── ModelLoadError                  a model in the repository failed to load
         └── ServerStartTimeout              (also TimeoutError)
 
+    SequenceIdleWarning (a UserWarning, not an error): a sequence step leaves later than the model's idle timeout
+
+Every public exception of the package is defined here (``tests/test_errors.py`` checks it), whichever layer
+raises it: the sessions raise the chat errors, the scoring jobs the path and checkpoint errors.
+
 Mapping from ``tritonclient`` / gRPC / HTTP errors happens in exactly one place,
 :mod:`triton_npu_client._errors._classify`, by type and status code, never by message text.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = [
     "BatchSizeError",
+    "ChatBusyError",
+    "ChatHistoryMismatch",
+    "ChatMessageError",
+    "ChatOptionError",
+    "CheckpointFilesMismatch",
+    "CheckpointMismatch",
     "ClientClosedError",
     "ConnectError",
     "DuplicateInputError",
     "InputDtypeError",
     "InputError",
+    "InputFileError",
+    "InputFileNotFound",
     "InputShapeError",
     "InternalServerError",
     "InvalidArgumentError",
+    "JobAborted",
+    "JobPathError",
     "LocalServerError",
     "MissingInputError",
     "ModelLoadError",
     "ModelNotFoundError",
     "ModelNotReadyError",
+    "OutputExistsError",
+    "OutputFolderError",
     "PermissionDeniedError",
     "PortInUseError",
     "RequestTimeout",
+    "ResumeNotConfirmed",
+    "RowParseError",
+    "SameFileError",
+    "SequenceBusyError",
     "SequenceCapacityError",
     "SequenceClosedError",
     "SequenceError",
+    "SequenceIdleWarning",
     "SequenceLost",
     "SequenceUsageError",
-    "TLSError",
     "ServerBinaryNotFound",
     "ServerError",
     "ServerStartTimeout",
     "ServerUnavailable",
     "StubNotFound",
+    "TLSError",
     "TransportError",
     "TritonError",
-    "JobAborted",
-    "RowParseError",
+    "UnknownFormatError",
     "UnknownInputError",
     "UnknownOutputError",
     "UsageError",
@@ -231,6 +271,21 @@ class InternalServerError(ServerError):
     """Any other server-side failure: the model raised, the stub died, an internal error."""
 
 
+class ChatHistoryMismatch(InternalServerError):
+    """A turn's final response carried a history digest other than the client's: the two sides disagree on the
+    conversation (it should never happen). The turn is not committed; the next turn, sent with the digest the
+    client holds, makes the server roll that turn back too, so the chat goes on.
+
+    ``expected`` is the digest the client computed, ``given`` the server's.
+    """
+
+    def __init__(self, message: str, *, expected: str, given: str, model: str | None = None,
+                 sequence_id: int | str | None = None) -> None:
+        super().__init__(message, model=model, sequence_id=sequence_id)
+        self.expected = expected
+        self.given = given
+
+
 # --- the SDK was used wrongly ---------------------------------------------------------
 
 
@@ -286,8 +341,88 @@ class SequenceUsageError(UsageError, ValueError):
     """A sequence was opened wrongly: the model is not stateful, or the given sequence id is invalid for it."""
 
 
+class ChatOptionError(UsageError, ValueError):
+    """A chat option has a value the model cannot take; raised before anything is sent.
+
+    ``option`` names it, ``expected`` says what it takes and ``given`` is the value given.
+    """
+
+    def __init__(self, option: str, expected: str, given: object, *, model: str | None = None) -> None:
+        super().__init__(f"chat option {option!r}: expected {expected}, given {given!r}", model=model)
+        self.option = option
+        self.expected = expected
+        self.given = given
+
+
+class ChatMessageError(UsageError, ValueError):
+    """A chat message is malformed (unknown role, text not a str); raised before anything is sent."""
+
+
+class ChatBusyError(UsageError, RuntimeError):
+    """A turn was started while another turn of the same chat still streams; nothing was sent or queued."""
+
+
 class RowParseError(UsageError, ValueError):
     """A row of a scoring job's input file could not be read; the message names the line and the parse error."""
+
+
+class JobPathError(UsageError, ValueError):
+    """A path a scoring job was given cannot be used. ``path``: the path; ``role``: input, output, errors, ..."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None, role: str | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else Path(path)
+        self.role = role
+
+
+class InputFileError(JobPathError):
+    """The input file cannot be read as rows: unreadable, a directory, or not of its format (a CSV without header)."""
+
+
+class InputFileNotFound(InputFileError, FileNotFoundError):
+    """The input file does not exist."""
+
+
+class UnknownFormatError(JobPathError):
+    """A file's format is not known from its suffix, or the format given is not one the job reads or writes.
+
+    ``role`` says which: ``"input"`` or ``"output"``.
+    """
+
+
+class SameFileError(JobPathError):
+    """Two of the job's paths name the same file: an output path is the input (also through a link), or two of
+    output, errors and checkpoint coincide. ``other_role`` names the second."""
+
+    def __init__(
+        self, message: str, *, path: str | os.PathLike[str] | None = None, role: str | None = None,
+        other_role: str | None = None,
+    ) -> None:
+        super().__init__(message, path=path, role=role)
+        self.other_role = other_role
+
+
+class OutputExistsError(JobPathError, FileExistsError):
+    """An output, errors or checkpoint path holds something the job did not write (a file without this job's
+    checkpoint, a symlink, a directory): refused unless ``overwrite=True`` (``--overwrite``)."""
+
+
+class OutputFolderError(JobPathError):
+    """The folder of an output, errors or checkpoint path does not exist, or the job may not write in it."""
+
+
+class ResumeNotConfirmed(JobPathError):
+    """An in-memory source (an iterable) met an existing checkpoint: the job cannot tell whether the iterable yields
+    the rows it had, so it resumes only with ``resume=True``, and starts over only with ``overwrite=True``."""
+
+
+class CheckpointMismatch(UsageError, RuntimeError):
+    """The checkpoint beside the output belongs to another job (its fingerprint: the input file and options)."""
+
+
+class CheckpointFilesMismatch(CheckpointMismatch):
+    """The checkpoint disagrees with the files it describes (an output missing or shorter than the bytes it
+    committed, a row count that does not fit the bytes): restore the files, or delete the checkpoint to start over."""
 
 
 # --- a job that stopped ------------------------------------------------------------------
@@ -339,4 +474,9 @@ class ServerStartTimeout(LocalServerError, TimeoutError):
     """The server did not become ready in time."""
 
 
-# --- the perf_analyzer load generator -------------------------------------------------
+
+# --- warnings -------------------------------------------------------------------------
+
+
+class SequenceIdleWarning(UserWarning):
+    """A sequence step comes later than the model's idle timeout after the previous answer: it may be lost."""

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Literal, Self, TypeVar
 
 from .._errors import (
+    MISSING_START,
     ClientClosedError,
     ConnectError,
     PermissionDeniedError,
@@ -38,10 +39,8 @@ from .._errors import (
     TritonError,
     UsageError,
 )
-from .._errors._classify import MISSING_START
 from .._trace import note_replica
-from .._transport import Transport
-from .._transport._base import Json, OneResponse, OnSend, Responses, Route
+from .._transport import Json, OneResponse, OnSend, Responses, Route, Transport
 from .._wire import InferRequest, InferResult
 from ._discovery import Endpoint, Place, system_resolver
 from ._hashing import rendezvous, sequence_key

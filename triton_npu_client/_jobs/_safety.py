@@ -10,7 +10,8 @@ Rules (see docs/scoring.md, "What the job refuses"):
 - An existing file the job did not write is refused, unless ``overwrite``. A file the job wrote is recognised by its
   checkpoint (``<output>.checkpoint.json``), which every run writes before it creates the output files.
 
-The typed errors below are :class:`UsageError` subclasses; the CLI maps each to its own exit code.
+The typed errors it raises are :class:`UsageError` subclasses (defined in the one tree, ``_errors``); the CLI maps
+each to its own exit code.
 """
 
 from __future__ import annotations
@@ -24,7 +25,19 @@ from typing import Any
 
 import attrs
 
-from .._errors import UsageError
+# Defined in the one error tree; re-exported here, where the job raises them.
+from .._errors import (
+    CheckpointFilesMismatch,
+    CheckpointMismatch,
+    InputFileError,
+    InputFileNotFound,
+    JobPathError,
+    OutputExistsError,
+    OutputFolderError,
+    ResumeNotConfirmed,
+    SameFileError,
+    UnknownFormatError,
+)
 
 __all__ = [
     "CheckpointFilesMismatch",
@@ -41,65 +54,6 @@ __all__ = [
     "check_job_paths",
     "read_checkpoint_state",
 ]
-
-
-class JobPathError(UsageError, ValueError):
-    """A path a scoring job was given cannot be used. ``path``: the path; ``role``: input, output, errors, ..."""
-
-    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None, role: str | None = None) -> None:
-        super().__init__(message)
-        self.path = None if path is None else Path(path)
-        self.role = role
-
-
-class InputFileError(JobPathError):
-    """The input file cannot be read as rows: unreadable, a directory, or not of its format (a CSV without header)."""
-
-
-class InputFileNotFound(InputFileError, FileNotFoundError):
-    """The input file does not exist."""
-
-
-class UnknownFormatError(JobPathError):
-    """A file's format is not known from its suffix, or the format given is not one the job reads or writes.
-
-    ``role`` says which: ``"input"`` or ``"output"``.
-    """
-
-
-class SameFileError(JobPathError):
-    """Two of the job's paths name the same file: an output path is the input (also through a link), or two of
-    output, errors and checkpoint coincide. ``other_role`` names the second."""
-
-    def __init__(
-        self, message: str, *, path: str | os.PathLike[str] | None = None, role: str | None = None,
-        other_role: str | None = None,
-    ) -> None:
-        super().__init__(message, path=path, role=role)
-        self.other_role = other_role
-
-
-class OutputExistsError(JobPathError, FileExistsError):
-    """An output, errors or checkpoint path holds something the job did not write (a file without this job's
-    checkpoint, a symlink, a directory): refused unless ``overwrite=True`` (``--overwrite``)."""
-
-
-class OutputFolderError(JobPathError):
-    """The folder of an output, errors or checkpoint path does not exist, or the job may not write in it."""
-
-
-class ResumeNotConfirmed(JobPathError):
-    """An in-memory source (an iterable) met an existing checkpoint: the job cannot tell whether the iterable yields
-    the rows it had, so it resumes only with ``resume=True``, and starts over only with ``overwrite=True``."""
-
-
-class CheckpointMismatch(UsageError, RuntimeError):
-    """The checkpoint beside the output belongs to another job (its fingerprint: the input file and options)."""
-
-
-class CheckpointFilesMismatch(CheckpointMismatch):
-    """The checkpoint disagrees with the files it describes (an output missing or shorter than the bytes it
-    committed, a row count that does not fit the bytes): restore the files, or delete the checkpoint to start over."""
 
 
 def read_checkpoint_state(path: Path) -> dict[str, Any] | None:

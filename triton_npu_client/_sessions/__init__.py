@@ -1,29 +1,19 @@
-"""Sessions: stateful sequences on sequence-batched models, and chat conversations on top of them."""
+"""Sessions: stateful sequences on sequence-batched models, and chat conversations on top of them.
 
-from ._chat import (
-    ChatBusyError,
-    ChatHistoryMismatch,
-    ChatMessage,
-    ChatMessageError,
-    ChatOptionError,
-    ChatOptions,
-    ChatReply,
-    ChatSession,
-    open_chat,
-)
-from ._sequence import SequenceIdleWarning, SequenceSession, new_sequence_id, open_sequence, validate_sequence_id
+Their errors (``ChatOptionError``, ``SequenceIdleWarning``, ...) live in the one tree, ``_errors``.
+"""
+
+from ._chat import ChatMessage, ChatOptions, ChatReply, ChatSession, defer_chat, open_chat
+from ._sequence import SequenceSession, defer_sequence, new_sequence_id, open_sequence, validate_sequence_id
 
 __all__ = [
-    "ChatBusyError",
-    "ChatHistoryMismatch",
     "ChatMessage",
-    "ChatMessageError",
-    "ChatOptionError",
     "ChatOptions",
     "ChatReply",
     "ChatSession",
-    "SequenceIdleWarning",
     "SequenceSession",
+    "defer_chat",
+    "defer_sequence",
     "new_sequence_id",
     "open_chat",
     "open_sequence",

@@ -48,7 +48,7 @@ import codecs
 import contextlib
 import math
 import time
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Final, Self, cast
 
@@ -57,11 +57,14 @@ import numpy as np
 
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
 from .._errors import (
+    ChatBusyError,
+    ChatHistoryMismatch,
+    ChatMessageError,
+    ChatOptionError,
     InternalServerError,
     SequenceClosedError,
     SequenceLost,
     SequenceUsageError,
-    UsageError,
 )
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
@@ -71,15 +74,12 @@ from ..server._digest import EMPTY, history_digest
 from ._sequence import DEFAULT_END_TIMEOUT_S, SequenceSession, SessionTarget, open_sequence
 
 __all__ = [
-    "ChatBusyError",
-    "ChatHistoryMismatch",
     "ChatMessage",
-    "ChatMessageError",
-    "ChatOptionError",
     "ChatOptions",
     "ChatReply",
     "ChatSession",
     "PieceDecoder",
+    "defer_chat",
     "open_chat",
 ]
 
@@ -90,45 +90,6 @@ _DIGEST: Final = "DIGEST"  # optional input and output: the history digest (serv
 _INT32_MAX: Final = 2**31 - 1
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
-
-
-# --- errors --------------------------------------------------------------------------------------
-
-
-class ChatOptionError(UsageError, ValueError):
-    """A chat option has a value the model cannot take; raised before anything is sent.
-
-    ``option`` names it, ``expected`` says what it takes and ``given`` is the value given.
-    """
-
-    def __init__(self, option: str, expected: str, given: object, *, model: str | None = None) -> None:
-        super().__init__(f"chat option {option!r}: expected {expected}, given {given!r}", model=model)
-        self.option = option
-        self.expected = expected
-        self.given = given
-
-
-class ChatMessageError(UsageError, ValueError):
-    """A chat message is malformed (unknown role, text not a str); raised before anything is sent."""
-
-
-class ChatBusyError(UsageError, RuntimeError):
-    """A turn was started while another turn of the same chat still streams; nothing was sent or queued."""
-
-
-class ChatHistoryMismatch(InternalServerError):
-    """A turn's final response carried a history digest other than the client's: the two sides disagree on the
-    conversation (it should never happen). The turn is not committed; the next turn, sent with the digest the
-    client holds, makes the server roll that turn back too, so the chat goes on.
-
-    ``expected`` is the digest the client computed, ``given`` the server's.
-    """
-
-    def __init__(self, message: str, *, expected: str, given: str, model: str | None = None,
-                 sequence_id: int | str | None = None) -> None:
-        super().__init__(message, model=model, sequence_id=sequence_id)
-        self.expected = expected
-        self.given = given
 
 
 # --- values --------------------------------------------------------------------------------------
@@ -340,6 +301,57 @@ def _count(result: InferResult, name: str) -> int:
     return 0 if value is None else int(value)
 
 
+def _check_chat_model(model: SessionTarget) -> None:
+    spec = model.spec
+    if not model.caller.transport.can_stream:
+        raise SequenceUsageError(
+            f"chat on model {spec.name!r}: a chat model is decoupled, which Triton serves only over the gRPC "
+            f"stream; this client speaks {model.caller.transport.protocol}: use a gRPC client (grpc://)",
+            model=spec.name,
+        )
+    missing = [n for n in _INPUTS if spec.input(n) is None] + [n for n in _OUTPUTS if spec.output(n) is None]
+    if not spec.decoupled or spec.sequence is None or missing:
+        lacks = (["decoupled"] if not spec.decoupled else []) + (["sequence batching"] if spec.sequence is None else [])
+        raise SequenceUsageError(
+            f"model {spec.name!r} is not a chat model (it lacks: {', '.join(lacks + missing)})", model=spec.name
+        )
+
+
+@attrs.frozen(kw_only=True)
+class _Settings:
+    """What a chat takes that is checked without its model: options, the messages to send first, replay."""
+
+    options: ChatOptions
+    prefix: tuple[ChatMessage, ...]
+    replay_on_loss: bool
+
+
+def _settings(
+    name: str,
+    *,
+    system: str | None,
+    history: Iterable[ChatMessage | tuple[str, str]] | None,
+    max_tokens: int | None,
+    min_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    stop: Sequence[str] | None,
+    replay_on_loss: bool,
+) -> _Settings:
+    options = ChatOptions(
+        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=seed, stop=stop,
+    )
+    if system is not None and not isinstance(system, str):
+        raise ChatMessageError(f"system is a str; given {type(system).__name__}")
+    prefix = ((ChatMessage("system", system),) if system is not None else ()) + as_messages(history)
+    if not isinstance(replay_on_loss, bool):
+        raise ChatOptionError("replay_on_loss", "a bool", replay_on_loss, model=name)
+    return _Settings(options=options, prefix=prefix, replay_on_loss=replay_on_loss)
+
+
 def open_chat(
     model: SessionTarget,
     *,
@@ -368,36 +380,57 @@ def open_chat(
     Raises :class:`SequenceUsageError` for a model that is not a chat model or a client that cannot stream
     (HTTP: Triton serves decoupled models over the gRPC stream only).
     """
-    spec = model.spec
-    if not model.caller.transport.can_stream:
-        raise SequenceUsageError(
-            f"chat on model {spec.name!r}: a chat model is decoupled, which Triton serves only over the gRPC "
-            f"stream; this client speaks {model.caller.transport.protocol}: use a gRPC client (grpc://)",
-            model=spec.name,
-        )
-    missing = [n for n in _INPUTS if spec.input(n) is None] + [n for n in _OUTPUTS if spec.output(n) is None]
-    if not spec.decoupled or spec.sequence is None or missing:
-        lacks = (["decoupled"] if not spec.decoupled else []) + (["sequence batching"] if spec.sequence is None else [])
-        raise SequenceUsageError(
-            f"model {spec.name!r} is not a chat model (it lacks: {', '.join(lacks + missing)})", model=spec.name
-        )
-    options = ChatOptions(
-        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, stop=stop,
+    _check_chat_model(model)
+    settings = _settings(
+        model.spec.name, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, replay_on_loss=replay_on_loss,
     )
-    if system is not None and not isinstance(system, str):
-        raise ChatMessageError(f"system is a str; given {type(system).__name__}")
-    prefix = ((ChatMessage("system", system),) if system is not None else ()) + as_messages(history)
-    if not isinstance(replay_on_loss, bool):
-        raise ChatOptionError("replay_on_loss", "a bool", replay_on_loss, model=spec.name)
     seq = open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
-    return ChatSession(seq, options=options, prefix=prefix, replay_on_loss=replay_on_loss)
+    return ChatSession(seq, options=settings.options, prefix=settings.prefix, replay_on_loss=settings.replay_on_loss)
+
+
+def defer_chat(
+    name: str,
+    fetch: Callable[[], Awaitable[SessionTarget]],
+    *,
+    system: str | None = None,
+    history: Iterable[ChatMessage | tuple[str, str]] | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] | None = None,
+    sequence_id: int | str | None = None,
+    timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
+    end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
+    replay_on_loss: bool = False,
+) -> ChatSession:
+    """What ``client.chat(name, ...)`` returns: the chat :func:`open_chat` makes on the model that ``fetch()``
+    gives, made without I/O. The options and messages are checked here; ``fetch`` runs (once) when the chat is
+    entered or sends its first turn, and the checks that need the model's config (a chat model?) run then."""
+    settings = _settings(
+        name, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, replay_on_loss=replay_on_loss,
+    )
+
+    async def opened() -> SequenceSession:
+        model = await fetch()
+        _check_chat_model(model)
+        return open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
+
+    seq = SequenceSession.deferred(name, opened)
+    return ChatSession(seq, options=settings.options, prefix=settings.prefix, replay_on_loss=settings.replay_on_loss)
 
 
 class ChatSession:
     """One conversation on a chat model; an async context manager. See the module docstring.
 
-    Made by ``model.chat(...)`` / ``client.chat(name, ...)`` (see :func:`open_chat`).
+    Made by ``model.chat(...)`` (see :func:`open_chat`) or ``client.chat(name, ...)`` (see :func:`defer_chat`):
+    the same type either way, used the same way (``async with ... as chat:``, or ``await chat.aclose()`` when
+    done). One made by name reaches its model when it is entered or sends its first turn; until then
+    :attr:`sequence_id` is not known yet.
     """
 
     def __init__(
@@ -419,7 +452,6 @@ class ChatSession:
         self._replay_on_loss = replay_on_loss
         # The history digest of the committed turns, as the server computes it (server._digest); sent with every
         # turn but a START, when the model takes it.
-        self._sends_digest = seq.spec.input(_DIGEST) is not None
         self._digest = EMPTY
         self._streaming = False
         self._closed = False
@@ -430,7 +462,7 @@ class ChatSession:
 
     def __repr__(self) -> str:
         state = "lost" if self.is_lost and not self._closed else "open" if self.is_open else "closed"
-        return f"<Chat {self._seq.model} id={self._seq.sequence_id!r} turns={self._turns} {state}>"
+        return f"<Chat {self._seq.model} id={self._seq._known_id!r} turns={self._turns} {state}>"
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -552,19 +584,20 @@ class ChatSession:
         return self._last_reply
 
     def _refuse_busy(self) -> None:
+        seq = self._seq
         if self._closed:
             raise SequenceClosedError(
-                f"chat {self._seq.sequence_id!r} on model {self._seq.model!r} is closed; open a new one",
-                model=self._seq.model,
-                sequence_id=self._seq.sequence_id,
+                f"chat {seq._known_id!r} on model {seq.model!r} is closed; open a new one",
+                model=seq.model,
+                sequence_id=seq._known_id,
             )
         if self._streaming:
             raise ChatBusyError(
-                f"chat {self._seq.sequence_id!r} on model {self._seq.model!r}: a turn is still streaming; "
+                f"chat {seq._known_id!r} on model {seq.model!r}: a turn is still streaming; "
                 "one turn at a time (a loop left early closes its turn only when its generator is collected: "
                 "iterate inside contextlib.aclosing(chat.send(...)) to close it at once)",
-                model=self._seq.model,
-                sequence_id=self._seq.sequence_id,
+                model=seq.model,
+                sequence_id=seq._known_id,
             )
 
     async def _turn(
@@ -572,6 +605,11 @@ class ChatSession:
     ) -> AsyncGenerator[str, None]:
         self._refuse_busy()  # again: another turn may have started since send() was called
         self._streaming = True
+        try:
+            await self._seq._bind()  # a chat made by name reaches its model here, unless it was entered
+        except BaseException:
+            self._streaming = False
+            raise
         span = None
         if TRACING:
             seq = self._seq
@@ -627,7 +665,7 @@ class ChatSession:
             "TEXT": np.array([m.text.encode() for m in outgoing], dtype=object),
             **options.inputs(),
         }
-        if self._sends_digest and seq.steps_acknowledged > 0:
+        if seq.steps_acknowledged > 0 and seq.spec.input(_DIGEST) is not None:
             # Not with START (the server's conversation is new). It tells the server what the client holds: a
             # turn the server finished but the client never saw end (cancelled or timed out at its last response)
             # is rolled back there too.
@@ -730,6 +768,7 @@ class ChatSession:
         await self._seq.aclose()
 
     async def __aenter__(self) -> Self:
+        await self._seq._bind()
         return self
 
     async def __aexit__(

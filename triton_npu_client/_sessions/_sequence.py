@@ -40,32 +40,31 @@ import logging
 import secrets
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Final, Protocol, Self
 
-from .._call import USE_CLIENT_DEFAULT, UseClientDefault
-from .._call._caller import Caller
+from .._call import USE_CLIENT_DEFAULT, Caller, OnSend, Responses, Route, UseClientDefault
 from .._errors import (
     RequestTimeout,
     SequenceClosedError,
+    SequenceIdleWarning,
     SequenceLost,
     SequenceUsageError,
     TritonError,
     UsageError,
+    judge_step,
 )
-from .._errors._classify import judge_step
 from .._model import ModelSpec, Plans, build_request
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
 from .._trace import start as start_span
-from .._transport._base import OnSend, Responses, Route
 from .._wire import InferRequest, InferResult
 
 __all__ = [
-    "SequenceIdleWarning",
     "SequenceSession",
     "SessionTarget",
+    "defer_sequence",
     "new_sequence_id",
     "open_sequence",
     "validate_sequence_id",
@@ -92,10 +91,6 @@ class SessionTarget(Protocol):
 
     @property
     def plans(self) -> Plans: ...
-
-
-class SequenceIdleWarning(UserWarning):
-    """A sequence step comes later than the model's idle timeout after the previous answer: it may be lost."""
 
 
 def new_sequence_id(*, string: bool) -> int | str:
@@ -185,10 +180,35 @@ def open_sequence(
     )
 
 
+def defer_sequence(
+    name: str,
+    fetch: Callable[[], Awaitable[SessionTarget]],
+    *,
+    sequence_id: int | str | None = None,
+    stream: bool | None = None,
+    timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
+    end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
+    outputs: Sequence[str] | None = None,
+) -> SequenceSession:
+    """What ``client.sequence(name, ...)`` returns: the session :func:`open_sequence` makes on the model that
+    ``fetch()`` gives, made without I/O. ``fetch`` runs (once) when the session is entered or sends its first step,
+    and the checks that need the model's config run then."""
+
+    async def opened() -> SequenceSession:
+        return open_sequence(
+            await fetch(), sequence_id=sequence_id, stream=stream, timeout_s=timeout_s, end_timeout_s=end_timeout_s,
+            outputs=outputs,
+        )
+
+    return SequenceSession.deferred(name, opened)
+
+
 class SequenceSession:
     """One sequence (correlation id) on a stateful model; an async context manager. See the module docstring.
 
-    Made by ``model.sequence(...)`` / ``client.sequence(name, ...)`` (see :func:`open_sequence`).
+    Made by ``model.sequence(...)`` (see :func:`open_sequence`) or ``client.sequence(name, ...)`` (see
+    :func:`defer_sequence`): the same type either way. One made by name reaches its model when it is entered or
+    sends its first step; until then :attr:`sequence_id`, :attr:`spec` and :attr:`via` are not known yet.
     """
 
     def __init__(
@@ -200,6 +220,33 @@ class SequenceSession:
         timeout_s: float | None = None,
         end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
         outputs: tuple[str, ...] | None = None,
+    ) -> None:
+        self._name = model.spec.name
+        self._opener: Callable[[], Awaitable[SequenceSession]] | None = None
+        self._configure(
+            model, route=route, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s,
+            outputs=outputs,
+        )
+        self._start_state()
+
+    @classmethod
+    def deferred(cls, name: str, opener: Callable[[], Awaitable[SequenceSession]]) -> SequenceSession:
+        """A session on the model ``name`` that ``opener()`` opens (once) when it is entered or first used."""
+        self = cls.__new__(cls)
+        self._name = name
+        self._opener = opener
+        self._start_state()
+        return self
+
+    def _configure(
+        self,
+        model: SessionTarget,
+        *,
+        route: Route,
+        sequence_id: int | str | None,
+        timeout_s: float | None,
+        end_timeout_s: float,
+        outputs: tuple[str, ...] | None,
     ) -> None:
         spec = model.spec
         if spec.sequence is None:
@@ -219,7 +266,10 @@ class SequenceSession:
         self._idle_timeout_s = spec.sequence.idle_timeout_us / 1e6
         # END with no inputs frees the state without a step, when the model allows requests without inputs.
         self._end_only = all(t.optional for t in spec.inputs)
+
+    def _start_state(self) -> None:
         self._lock = asyncio.Lock()
+        self._binding = asyncio.Lock()
         self._acked = 0
         self._ended = False  # END sent by end(): further steps are a usage error
         self._loss: SequenceLost | None = None  # set: further steps raise SequenceLost
@@ -236,23 +286,63 @@ class SequenceSession:
 
     def __repr__(self) -> str:
         state = "lost" if self._loss is not None else "ended" if self._ended else "open"
-        return f"<Sequence {self._spec.name} id={self._id!r} via={self.via} steps={self._acked} {state}>"
+        if self._opener is not None:
+            return f"<Sequence {self._name} (model not reached yet) {state}>"
+        return f"<Sequence {self._name} id={self._id!r} via={self.via} steps={self._acked} {state}>"
+
+    async def _bind(self) -> None:
+        """Reach the model, for a session made by name (:meth:`deferred`); nothing for one made on a model."""
+        if self._opener is None:
+            return
+        async with self._binding:
+            if self._opener is None:  # another task bound it while this one waited
+                return
+            if self._ended:
+                raise SequenceClosedError(
+                    f"the sequence on model {self._name!r} was closed before its first step; open a new one",
+                    model=self._name,
+                )
+            bound = await self._opener()
+            # Only the settings are taken: this session's state (closed meanwhile, say) stays its own.
+            self._configure(
+                bound._target, route=bound._route, sequence_id=bound._id, timeout_s=bound._timeout_s,
+                end_timeout_s=bound._end_timeout_s, outputs=bound._outputs,
+            )
+            self._opener = None
+
+    def _not_bound(self, what: str) -> SequenceUsageError:
+        return SequenceUsageError(
+            f"the {what} of a sequence on model {self._name!r} opened by name is known once it has reached the model: "
+            "enter it (async with) or send a step first",
+            model=self._name,
+        )
 
     @property
     def via(self) -> str:
         """How :meth:`infer` steps travel: ``"stream"`` (the shared gRPC stream), else the client's protocol."""
+        if self._opener is not None:
+            raise self._not_bound("path (via)")
         return "stream" if self._route == "shared" else self._caller.transport.protocol
 
     @property
     def sequence_id(self) -> int | str:
+        if self._opener is not None:
+            raise self._not_bound("id")
         return self._id
 
     @property
     def model(self) -> str:
-        return self._spec.name
+        return self._name
+
+    @property
+    def _known_id(self) -> int | str | None:
+        """The id for a message: ``None`` before a session opened by name has reached its model."""
+        return None if self._opener is not None else self._id
 
     @property
     def spec(self) -> ModelSpec:
+        if self._opener is not None:
+            raise self._not_bound("spec")
         return self._spec
 
     @property
@@ -271,6 +361,8 @@ class SequenceSession:
 
     def renewed(self) -> SequenceSession:
         """A new session on the same model with the same settings and a fresh id (nothing is sent)."""
+        if self._opener is not None:
+            return SequenceSession.deferred(self._name, self._opener)
         return SequenceSession(
             self._target,
             route=self._route,
@@ -294,6 +386,7 @@ class SequenceSession:
         A decoupled model that answers a step with several responses raises :class:`UsageError` here (after
         the step ran): read such steps with :meth:`stream`.
         """
+        await self._bind()
         return await self._step(self._build(inputs, named), end=False, timeout_s=timeout_s)
 
     async def end(
@@ -305,6 +398,7 @@ class SequenceSession:
         **named: object,
     ) -> InferResult:
         """Send the last step (it carries END) and return its result; the session is closed afterwards."""
+        await self._bind()
         return await self._step(self._build(inputs, named), end=True, timeout_s=timeout_s)
 
     async def stream(
@@ -329,6 +423,7 @@ class SequenceSession:
         before any response is not counted as acknowledged (a refused first step leaves no state, so the next
         one carries START again). Closing the session while such a step streams cancels it and sends END at once.
         """
+        await self._bind()
         request = self._build(inputs, named)
         span = self._span(end) if TRACING else None
         try:
@@ -596,6 +691,7 @@ class SequenceSession:
             _log.debug("closing request of sequence %r failed (best effort): %s", self._id, err)
 
     async def __aenter__(self) -> Self:
+        await self._bind()
         return self
 
     async def __aexit__(

@@ -17,8 +17,7 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from .._errors import ClientClosedError, ConnectError, ServerUnavailable, TritonError, UsageError
-from .._errors._classify import map_error
+from .._errors import ClientClosedError, ConnectError, ServerUnavailable, TritonError, UsageError, map_error
 from .._trace import AVAILABLE as TRACING
 from .._trace import grpc_metadata
 from .._wire import InferRequest, InferResult

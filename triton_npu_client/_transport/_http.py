@@ -20,8 +20,7 @@ from typing import Any, Final
 
 import tritonclient.http.aio as httpclient
 
-from .._errors import ClientClosedError, UsageError
-from .._errors._classify import map_error
+from .._errors import ClientClosedError, UsageError, map_error
 from .._trace import AVAILABLE as TRACING
 from .._trace import http_headers
 from .._wire import InferRequest, InferResult

@@ -31,8 +31,16 @@ from typing import Any, Final, Self
 import grpc
 from tritonclient.grpc import service_pb2
 
-from .._errors import ClientClosedError, ConnectError, InternalServerError, RequestTimeout, TritonError, UsageError
-from .._errors._classify import map_error, map_stream_error
+from .._errors import (
+    ClientClosedError,
+    ConnectError,
+    InternalServerError,
+    RequestTimeout,
+    TritonError,
+    UsageError,
+    map_error,
+    map_stream_error,
+)
 from .._wire import InferResult
 from ._base import OnSend
 
