@@ -74,6 +74,17 @@ def _graph() -> dict[str, set[str]]:
     return {_module_name(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def _graph_at(package: Path) -> dict[str, set[str]]:
+    """The graph of a package laid out at ``package``: a fake tree, for the tests that the checks can fail."""
+    global PACKAGE
+    saved = PACKAGE
+    PACKAGE = package
+    try:
+        return _graph()
+    finally:
+        PACKAGE = saved
+
+
 def _layer(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
@@ -182,13 +193,7 @@ def test_the_checker_sees_a_cycle_and_an_upward_arrow(tmp_path: Path) -> None:
     fake = tmp_path / ROOT / "_model"
     fake.mkdir(parents=True)
     (fake / "x.py").write_text("def f():\n    from .._client import Model\n")
-    global PACKAGE
-    saved = PACKAGE
-    PACKAGE = tmp_path / ROOT
-    try:
-        graph = _graph()
-    finally:
-        PACKAGE = saved
+    graph = _graph_at(tmp_path / ROOT)
     assert graph == {"triton_npu_client._model.x": {"triton_npu_client._client"}}
     assert RANK[_layer("triton_npu_client._client")] > RANK[_layer("triton_npu_client._model.x")]
 
@@ -205,13 +210,7 @@ def test_the_checker_sees_an_engine_importing_another_and_the_toolkit_importing_
     (server / "_y.py").write_text("def f():\n    from .chat import x\n")
     (server / "chat" / "x.py").write_text("from .._state import S\nfrom ..encoder import z\nfrom .. import ChatModel\n")
     (server / "encoder" / "z.py").write_text("from .._state import S\n")
-    global PACKAGE
-    saved = PACKAGE
-    PACKAGE = tmp_path / ROOT
-    try:
-        graph = _graph()
-    finally:
-        PACKAGE = saved
+    graph = _graph_at(tmp_path / ROOT)
     assert _server_arrows_across(graph) == [
         f"{SERVER}._y -> {SERVER}.chat",
         f"{SERVER}._y -> {SERVER}.chat.x",
