@@ -420,7 +420,7 @@ def defer_chat(
         _check_chat_model(model)
         return open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
 
-    seq = SequenceSession.deferred(name, opened)
+    seq = SequenceSession._deferred(name, opened)
     return ChatSession(seq, options=settings.options, prefix=settings.prefix, replay_on_loss=settings.replay_on_loss)
 
 

@@ -200,7 +200,7 @@ def defer_sequence(
             outputs=outputs,
         )
 
-    return SequenceSession.deferred(name, opened)
+    return SequenceSession._deferred(name, opened)
 
 
 class SequenceSession:
@@ -230,7 +230,7 @@ class SequenceSession:
         self._start_state()
 
     @classmethod
-    def deferred(cls, name: str, opener: Callable[[], Awaitable[SequenceSession]]) -> SequenceSession:
+    def _deferred(cls, name: str, opener: Callable[[], Awaitable[SequenceSession]]) -> SequenceSession:
         """A session on the model ``name`` that ``opener()`` opens (once) when it is entered or first used."""
         self = cls.__new__(cls)
         self._name = name
@@ -291,7 +291,7 @@ class SequenceSession:
         return f"<Sequence {self._name} id={self._id!r} via={self.via} steps={self._acked} {state}>"
 
     async def _bind(self) -> None:
-        """Reach the model, for a session made by name (:meth:`deferred`); nothing for one made on a model."""
+        """Reach the model, for a session made by name (:meth:`_deferred`); nothing for one made on a model."""
         if self._opener is None:
             return
         async with self._binding:
@@ -362,7 +362,7 @@ class SequenceSession:
     def renewed(self) -> SequenceSession:
         """A new session on the same model with the same settings and a fresh id (nothing is sent)."""
         if self._opener is not None:
-            return SequenceSession.deferred(self._name, self._opener)
+            return SequenceSession._deferred(self._name, self._opener)
         return SequenceSession(
             self._target,
             route=self._route,
