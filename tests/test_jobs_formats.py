@@ -152,15 +152,17 @@ def test_readers_hold_a_bounded_part_of_the_file(tmp_path: Path, monkeypatch: py
     jsonl = tmp_path / "big.jsonl"
     jsonl.write_text("".join(f'{{"X": "{"x" * 1000}"}}\n' for _ in range(12000)))  # 12 MiB
     for path in (npy, jsonl):
-        tracemalloc.start()
-        try:
-            count = sum(1 for _ in read_rows(path, input_names=["X"]))
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        assert count in (4096, 12000)
-        size_mib = path.stat().st_size >> 20
-        assert peak < 4 << 20, f"{path.name}: peak {peak / 2**20:.1f} MiB while streaming a {size_mib} MiB file"
+        for chunked in (False, True):  # row by row, and a chunk of rows at a time (chunks() holds one chunk)
+            tracemalloc.start()
+            try:
+                source = read_rows(path, input_names=["X"])
+                count = sum(c.length for c in source.chunks(256)) if chunked else sum(1 for _ in source)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            assert count in (4096, 12000)
+            size_mib = path.stat().st_size >> 20
+            assert peak < 4 << 20, f"{path.name}: peak {peak / 2**20:.1f} MiB while streaming a {size_mib} MiB file"
 
 
 def test_parquet_rows_columns_nulls_and_start_across_row_groups(tmp_path: Path) -> None:

@@ -4,11 +4,12 @@ base (:class:`Writer`, the order, errors-file, count and commit rules every outp
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 from abc import abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from types import TracebackType
@@ -126,6 +127,29 @@ def pyarrow_modules() -> tuple[Any, Any]:
     return pa, pq
 
 
+@attrs.frozen
+class ColumnChunk:
+    """Consecutive rows of an input file, ``start`` .. ``start + length - 1`` (indices in the file), parsed together.
+
+    ``columns``: per input name one array-like (an ndarray where the format gives one, else a list) whose first axis
+    is the rows, values as the file holds them (not yet coerced to the model's dtypes); None when the chunk must be
+    looked at row by row (a bad row, a null, rows of other keys or shapes), and then ``rows`` holds exactly what
+    iterating the reader gives. :meth:`row` is the one view both ways.
+    """
+
+    start: int
+    length: int
+    columns: Mapping[str, Any] | None
+    rows: Sequence[Row | BadRow] | None = None
+
+    def row(self, i: int) -> Row | BadRow:
+        """The ``i``-th row of the chunk (0-based), exactly as iterating the reader gives it."""
+        if self.rows is not None:
+            return self.rows[i]
+        assert self.columns is not None
+        return {name: column[i] for name, column in self.columns.items()}
+
+
 class RowSource(Iterable[Row | BadRow]):
     """The rows of an input file from ``start`` on; every iteration reads the file anew, holding a bounded part of it.
 
@@ -152,6 +176,13 @@ class RowSource(Iterable[Row | BadRow]):
     def __iter__(self) -> Iterator[Row | BadRow]:
         return self._rows()
 
+    def chunks(self, size: int) -> Iterator[ColumnChunk]:
+        """The rows from ``start`` on in chunks of ``size`` rows (the last may be shorter), each parsed as a whole
+        where the format allows (see :class:`ColumnChunk`); memory is bounded by a chunk. Reads the file anew."""
+        if size < 1:
+            raise ValueError(f"chunk size must be >= 1, got {size}")
+        return self._chunks(size)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {str(self.path)!r} start={self.start}>"
 
@@ -160,6 +191,29 @@ class RowSource(Iterable[Row | BadRow]):
 
     @abstractmethod
     def _count(self) -> int | None: ...
+
+    def _chunks(self, size: int) -> Iterator[ColumnChunk]:
+        """Chunks of the rows as iteration gives them, made columnar where every row has the same keys."""
+        rows, index = self._rows(), self.start
+        while batch := list(itertools.islice(rows, size)):
+            yield self._rows_chunk(index, batch)
+            index += len(batch)
+
+    def _rows_chunk(self, start: int, rows: list[Row | BadRow]) -> ColumnChunk:
+        """``rows`` (as iteration gives them) as a chunk: columns when every row is a mapping of the same keys."""
+        first = rows[0]
+        if isinstance(first, dict) and first:
+            keys = first.keys()
+            if all(isinstance(row, dict) and row.keys() == keys for row in rows):
+                dicts: list[dict[str, Any]] = rows  # type: ignore[assignment]  # checked just above
+                return ColumnChunk(start, len(rows), {k: [row[k] for row in dicts] for k in keys})
+        return ColumnChunk(start, len(rows), None, rows)
+
+    def _values_chunk(self, start: int, values: Sequence[Any] | npt.NDArray[Any]) -> ColumnChunk:
+        """One bare value per row (a .txt line, a .npy row) as a chunk, keyed as :meth:`_keyed` keys each row."""
+        if len(self.input_names) == 1:
+            return ColumnChunk(start, len(values), {self.input_names[0]: values})
+        return ColumnChunk(start, len(values), None, [self._keyed(v, "") for v in values])
 
     def _keyed(self, value: Any, where: str) -> Row | BadRow:
         """Key a parsed value by the model's inputs (see :func:`read_rows`)."""
@@ -209,7 +263,7 @@ def count_newlines(path: Path) -> int:
 class ResultWriter(Protocol):
     """Where a scoring job's results go, resumably. See the module docstring and :func:`open_writer`.
 
-    Call ``open()`` (rows already done: resume there), then ``write``/``write_error`` each row in index order,
+    Call ``open()`` (rows already done: resume there), then ``write``/``write_rows``/``write_error`` in index order,
     ``commit(rows_done)`` now and then, ``close()`` at the end (or ``abandon()`` on the way out of a failure).
     ``rows_written``/``errors_written`` count over every run of the job (they are kept in the checkpoint).
     ``complete``: ``open()`` found a finished job (nothing to do: it returns the rows done, and writes, commits of
@@ -233,6 +287,8 @@ class ResultWriter(Protocol):
     def extra_paths(self) -> list[tuple[str, Path]]: ...
 
     def write(self, index: int, outputs: Mapping[str, npt.NDArray[Any]]) -> None: ...
+
+    def write_rows(self, start: int, outputs: Mapping[str, npt.NDArray[Any]]) -> None: ...
 
     def write_error(self, index: int, error: BaseException | str, row: object | None = None) -> None: ...
 
@@ -279,6 +335,16 @@ def error_line(index: int, error: BaseException | str, row: object | None) -> by
         if text and len(text) <= MAX_INPUT_JSON:
             record["input"] = json.loads(text)
     return json.dumps(record).encode() + b"\n"
+
+
+def one_row(value: Any) -> npt.NDArray[Any]:
+    """A row's output as a run of one (batch dim first). Text and bytes stay Python objects, as a run of BYTES
+    holds them (``np.asarray`` would make them fixed-width and drop trailing NULs)."""
+    if isinstance(value, (str, bytes)) and not isinstance(value, np.generic):
+        row = np.empty((1,), dtype=object)
+        row[0] = value
+        return row
+    return np.asarray(value)[None]
 
 
 def fsync_path(path: Path) -> None:
@@ -388,7 +454,7 @@ class Writer:
         self.rows_written = int(meta.get("rows_written", 0))
         self.errors_written = int(meta.get("errors_written", 0))
 
-    def _take(self, index: int) -> None:
+    def _take(self, index: int, n: int = 1) -> None:
         if self._state == "finished":
             raise RuntimeError(f"{self.path}: the job is already complete; no row goes in again")
         if self._state != "open":
@@ -396,20 +462,41 @@ class Writer:
         if index < self._next or (self.gapless and index != self._next):
             expected = f"row {self._next}" if self.gapless else f"a row from {self._next} on"
             raise ValueError(f"{self.path}: row {index} came where {expected} was due: rows go in order, each once")
-        self._next = index + 1
+        self._next = index + n
         self._dirty = True
 
-    def write(self, index: int, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
+    def write(self, index: int, outputs: Mapping[str, Any]) -> None:
         """Append row ``index``'s outputs; a row that does not fit the first row's shapes becomes an error row."""
-        self._take(index)
-        if self.output is not None:
-            if self.output not in outputs:
-                raise ValueError(f"output {self.output!r} is not among the row's outputs ({', '.join(outputs)})")
-            outputs = {self.output: outputs[self.output]}
-        problem = self._write_row(index, {name: np.asarray(v) for name, v in outputs.items()})
+        # One row is a run of one: the same code, so the same bytes, as write_rows().
+        self._put(index, 1, {name: one_row(value) for name, value in self._selected(outputs).items()})
+
+    def write_rows(self, start: int, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
+        """Append rows ``start .. start + n - 1``, all good, at once: ``outputs[name]`` holds them on its first axis
+        (``n`` rows, the same for every output). The files come out byte for byte as ``write()`` row by row makes
+        them; when the run does not fit the first row's shapes, each of its rows becomes an error row."""
+        arrays = {name: np.asarray(value) for name, value in self._selected(outputs).items()}
+        lengths = {name: value.shape[0] if value.ndim else None for name, value in arrays.items()}
+        n = next(iter(lengths.values()), None)
+        if n is None or any(length != n for length in lengths.values()):
+            shown = ", ".join(f"{name}: {'no batch dim' if k is None else k}" for name, k in lengths.items())
+            raise ValueError(f"write_rows() takes outputs of one row count on the first axis; given {shown or 'none'}")
+        if n:
+            self._put(start, n, arrays)
+
+    def _selected(self, outputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        if self.output is None:
+            return outputs
+        if self.output not in outputs:
+            raise ValueError(f"output {self.output!r} is not among the row's outputs ({', '.join(outputs)})")
+        return {self.output: outputs[self.output]}
+
+    def _put(self, start: int, n: int, arrays: Mapping[str, npt.NDArray[Any]]) -> None:
+        self._take(start, n)
+        problem = self._write_run(start, n, arrays)
         if problem is None:
-            self.rows_written += 1
-        else:
+            self.rows_written += n
+            return
+        for index in range(start, start + n):
             self._failed(index, OutputShapeError(problem), None)
 
     def write_error(self, index: int, error: BaseException | str, row: object | None = None) -> None:
@@ -488,8 +575,9 @@ class Writer:
     def _resume(self, meta: Mapping[str, Any]) -> None:
         """Pick up after ``open()`` cut the files back to the checkpoint whose writer state is ``meta``."""
 
-    def _write_row(self, index: int, outputs: Mapping[str, npt.NDArray[Any]]) -> str | None:
-        """Append one row; return why it does not fit (it then becomes an error row) or None."""
+    def _write_run(self, start: int, n: int, outputs: Mapping[str, npt.NDArray[Any]]) -> str | None:
+        """Append ``n`` rows (``outputs`` with the batch dim first); return why they do not fit the first row's
+        shapes (they then become error rows; they all share their shapes, so they fit or fail together) or None."""
         raise NotImplementedError
 
     def _error_slot(self, index: int) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._checkpoint import SavedCheckpoint
-from ._base import BadRow, Row, RowSource, Writer, block_bytes, single_input
+from ._base import BadRow, ColumnChunk, Row, RowSource, Writer, block_bytes, single_input
 
 
 class NpySource(RowSource):
@@ -49,31 +49,41 @@ class NpySource(RowSource):
         return self.shape[0]
 
     def _rows(self) -> Iterator[Row | BadRow]:
+        row_bytes = self.dtype.itemsize * math.prod(self.shape[1:])
+        index = self.start
+        for block in self._blocks(max(1, block_bytes() // row_bytes if row_bytes else self.shape[0])):
+            for j in range(len(block)):
+                yield self._keyed(block[j], f"row {index + j}")
+            index += len(block)
+
+    def _chunks(self, size: int) -> Iterator[ColumnChunk]:
+        index = self.start
+        for block in self._blocks(size):
+            yield self._values_chunk(index, block)
+            index += len(block)
+
+    def _blocks(self, rows: int) -> Iterator[npt.NDArray[Any]]:
+        """The array from ``start`` on, ``rows`` rows at a time (the last block may be shorter)."""
         n, row_shape = self.shape[0], self.shape[1:]
         if self._fortran:
-            # A Fortran-order row is strided across the whole file: index the map (rare, and no block read helps).
+            # A Fortran-order row is strided across the whole file: slice the map (rare, and no plain read helps).
             arr = np.load(self.path, mmap_mode="r", allow_pickle=False)
-            for i in range(self.start, n):
-                yield self._keyed(np.array(arr[i]), f"row {i}")
+            for i in range(self.start, n, rows):
+                yield np.ascontiguousarray(arr[i : i + rows])
             return
         row_bytes = self.dtype.itemsize * math.prod(row_shape)
         if row_bytes == 0:
-            for i in range(self.start, n):
-                yield self._keyed(np.zeros(row_shape, self.dtype), f"row {i}")
+            for i in range(self.start, n, rows):
+                yield np.zeros((min(rows, n - i), *row_shape), self.dtype)
             return
-        block = max(1, block_bytes() // row_bytes)
         with open(self.path, "rb") as f:
             f.seek(self._offset + self.start * row_bytes)
-            i = self.start
-            while i < n:
-                k = min(block, n - i)
+            for i in range(self.start, n, rows):
+                k = min(rows, n - i)
                 buf = f.read(k * row_bytes)
                 if len(buf) != k * row_bytes:
                     raise ValueError(f"{self.path} is truncated: its header promises {n} rows, the data ends at {i}")
-                chunk = np.frombuffer(buf, dtype=self.dtype).reshape((k, *row_shape))
-                for j in range(k):
-                    yield self._keyed(chunk[j], f"row {i + j}")
-                i += k
+                yield np.frombuffer(buf, dtype=self.dtype).reshape((k, *row_shape))
 
 
 def _npy_header_text(dtype: np.dtype[Any], shape: tuple[int, ...]) -> str:
@@ -153,13 +163,14 @@ class NpyWriter(Writer):
                 self._ckpt.write(self._fill * min(1024, self._pending - start))
             self._pending = 0
 
-    def _write_row(self, index: int, outputs: Mapping[str, npt.NDArray[Any]]) -> str | None:
+    def _write_run(self, start: int, n: int, outputs: Mapping[str, npt.NDArray[Any]]) -> str | None:
         if len(outputs) != 1:
             raise ValueError(
                 f"{self.path}: a .npy output holds one output, and the model gives {', '.join(outputs)}: choose one "
                 "(output=...)"
             )
         ((name, value),) = outputs.items()
+        row_shape = value.shape[1:]
         if self._dtype is None:
             if value.dtype.kind not in "biufc":
                 raise TypeError(
@@ -167,10 +178,10 @@ class NpyWriter(Writer):
                     "JSONL or Parquet)"
                 )
             self.output = name
-            self._settle(value.dtype, value.shape, write=True)
+            self._settle(value.dtype, row_shape, write=True)
         assert self._dtype is not None
-        if value.shape != self._row_shape:
-            return f"output {name!r} has shape {value.shape}; the .npy rows have {self._row_shape} (the first row's)"
+        if row_shape != self._row_shape:
+            return f"output {name!r} has shape {row_shape}; the .npy rows have {self._row_shape} (the first row's)"
         if value.dtype != self._dtype and not np.can_cast(value.dtype, self._dtype, casting="safe"):
             return f"output {name!r} has dtype {value.dtype}, but the .npy rows are {self._dtype} (the first row's)"
         self._ckpt.write(np.ascontiguousarray(value, dtype=self._dtype).tobytes())

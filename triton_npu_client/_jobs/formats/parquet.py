@@ -16,6 +16,7 @@ from .._checkpoint import ResumableOutput, SavedCheckpoint
 from ._base import (
     MAX_BATCH_ROWS,
     BadRow,
+    ColumnChunk,
     Row,
     RowSource,
     Writer,
@@ -58,19 +59,19 @@ class ParquetSource(RowSource):
     def _count(self) -> int:
         return sum(self._group_rows)
 
-    def _rows(self) -> Iterator[Row | BadRow]:
-        # Whole row groups before `start` are never read: their row counts are in the footer.
+    def _batches(self) -> Iterator[Any]:
+        """Record batches of the input columns from ``start`` on; whole row groups before it are never read (their
+        row counts are in the footer)."""
         group, skip = 0, self.start
         while group < len(self._group_rows) and skip >= self._group_rows[group]:
             skip -= self._group_rows[group]
             group += 1
         if group == len(self._group_rows):
             return
-        index = self.start
-        file_columns = [c for c, _ in self._columns]
         with self._pq.ParquetFile(self.path) as pf:
             batches = pf.iter_batches(
-                batch_size=self._batch_rows, row_groups=list(range(group, len(self._group_rows))), columns=file_columns
+                batch_size=self._batch_rows, row_groups=list(range(group, len(self._group_rows))),
+                columns=[c for c, _ in self._columns],
             )
             for batch in batches:
                 if skip:
@@ -78,20 +79,80 @@ class ParquetSource(RowSource):
                         skip -= batch.num_rows
                         continue
                     batch, skip = batch.slice(skip), 0
-                columns = [self._values(batch.column(k)) for k in range(len(file_columns))]
-                for r in range(batch.num_rows):
-                    row: dict[str, Any] = {}
-                    for (column, name), (values, nulls) in zip(self._columns, columns, strict=True):
-                        if nulls is not None and nulls[r]:
-                            yield BadRow(f"row {index}: column {column!r} is null")
-                            break
-                        row[name] = values[r]
-                    else:
-                        yield row
-                    index += 1
+                yield batch
 
-    def _values(self, col: Any) -> tuple[Sequence[Any], Sequence[bool] | None]:
-        """A column's values by row (numpy for numbers and lists of numbers), and its null mask when it has nulls."""
+    def _rows(self) -> Iterator[Row | BadRow]:
+        index = self.start
+        for batch in self._batches():
+            yield from self._rows_of(batch.columns, batch.num_rows, index)
+            index += batch.num_rows
+
+    def _rows_of(self, arrays: Sequence[Any], n: int, index: int) -> Iterator[Row | BadRow]:
+        """The rows of the input columns ``arrays`` (``n`` rows, the first at ``index``), one by one."""
+        columns = [self._values(col) for col in arrays]
+        for r in range(n):
+            row: dict[str, Any] = {}
+            for (column, name), (values, nulls) in zip(self._columns, columns, strict=True):
+                if nulls is not None and nulls[r]:
+                    yield BadRow(f"row {index + r}: column {column!r} {'is' if nulls[r] == 1 else 'holds a'} null")
+                    break
+                row[name] = values[r]
+            else:
+                yield row
+
+    def _chunks(self, size: int) -> Iterator[ColumnChunk]:
+        # Batches are sliced (no copy) into pieces of exactly `size` rows; a chunk that spans batches is concatenated.
+        index, pieces, have = self.start, [], 0
+        for batch in self._batches():
+            while batch.num_rows:
+                take = min(size - have, batch.num_rows)
+                pieces.append(batch.slice(0, take))
+                batch, have = batch.slice(take), have + take
+                if have == size:
+                    yield self._chunk(index, pieces)
+                    index, pieces, have = index + have, [], 0
+        if pieces:
+            yield self._chunk(index, pieces)
+
+    def _chunk(self, start: int, pieces: list[Any]) -> ColumnChunk:
+        n = sum(piece.num_rows for piece in pieces)
+        arrays = [
+            self._pa.concat_arrays([piece.column(k) for piece in pieces]) if len(pieces) > 1 else pieces[0].column(k)
+            for k in range(len(self._columns))
+        ]
+        columns: dict[str, Any] = {}
+        for (_, name), col in zip(self._columns, arrays, strict=True):
+            values = self._column_values(col)
+            if values is None:
+                return ColumnChunk(start, n, None, list(self._rows_of(arrays, n, start)))
+            columns[name] = values
+        return ColumnChunk(start, n, columns)
+
+    def _column_values(self, col: Any) -> Any:
+        """A whole column as one array whose rows are what :meth:`_values` gives row by row: numbers 1-D, lists of
+        numbers of one length 2-D, text an object array; None for a column with a null or lists of several lengths.
+        """
+        pa = self._pa
+        if col.null_count:
+            return None
+        t = col.type
+        if _is_plain_number_type(pa, t):
+            return col.to_numpy(zero_copy_only=False)
+        if (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) and (
+            _is_plain_number_type(pa, t.value_type)
+        ):
+            flat = col.flatten()
+            lengths = col.value_lengths().to_numpy(zero_copy_only=False)
+            if flat.null_count or (lengths != lengths[0]).any():
+                return None
+            return flat.to_numpy(zero_copy_only=False).reshape(len(col), int(lengths[0]))
+        if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            return col.to_numpy(zero_copy_only=False)
+        return col.to_pylist()
+
+    def _values(self, col: Any) -> tuple[Sequence[Any], npt.NDArray[Any] | None]:
+        """A column's values by row (numpy for numbers and lists of numbers), and when it has nulls, by row: 0 none,
+        1 null, 2 a list holding a null."""
         pa = self._pa
         nulls = col.is_null().to_numpy(zero_copy_only=False) if col.null_count else None
         t = col.type
@@ -102,7 +163,15 @@ class ParquetSource(RowSource):
         if (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) and (
             _is_plain_number_type(pa, t.value_type)
         ):
-            return col.to_numpy(zero_copy_only=False), nulls
+            if not col.flatten().null_count:
+                return col.to_numpy(zero_copy_only=False), nulls
+            # A null inside a list: its row is bad, and the others keep their own dtype (a whole-column to_numpy()
+            # would turn every list of integers into floats, the more so the more rows share a batch).
+            dtype = t.value_type.to_pandas_dtype()
+            lists = col.to_pylist()
+            inner = np.array([v is not None and None in v for v in lists], dtype=np.uint8) * 2
+            values = [None if v is None or None in v else np.array(v, dtype=dtype) for v in lists]
+            return values, inner if nulls is None else np.maximum(inner, nulls)
         return col.to_pylist(), nulls
 
 
@@ -119,8 +188,9 @@ class ParquetWriter(Writer):
         super().__init__(path, fingerprint=fingerprint, errors_path=errors_path, output=output)
         self._schema: Any = None
         self._parts = 0
-        self._buffer: list[tuple[int, Mapping[str, npt.NDArray[Any]]]] = []
+        self._buffer: list[tuple[int, int, Mapping[str, npt.NDArray[Any]]]] = []  # runs: first row, rows, outputs
         self._buffer_bytes = 0
+        self._buffer_rows = 0
         self._part_writer: Any = None
 
     def _resumable(self) -> ResumableOutput:
@@ -170,19 +240,19 @@ class ParquetWriter(Writer):
         if "row" in outputs:
             raise ValueError("an output named 'row' clashes with the row index column: choose the outputs")
         fields = [pa.field("row", pa.int64(), nullable=False)]
-        for name, value in outputs.items():
-            if value.dtype.kind in "OSU":
+        for name, run in outputs.items():
+            if run.dtype.kind in "OSU":
                 leaf = pa.string()
-            elif value.dtype.kind in "biuf":
-                leaf = pa.from_numpy_dtype(value.dtype)
+            elif run.dtype.kind in "biuf":
+                leaf = pa.from_numpy_dtype(run.dtype)
             else:
-                raise TypeError(f"output {name!r} has dtype {value.dtype}, which Parquet output does not take")
-            for _ in range(value.ndim):
+                raise TypeError(f"output {name!r} has dtype {run.dtype}, which Parquet output does not take")
+            for _ in range(run.ndim - 1):
                 leaf = pa.list_(leaf)
             fields.append(pa.field(name, leaf))
         self._schema = pa.schema(fields)
 
-    def _write_row(self, index: int, outputs: Mapping[str, npt.NDArray[Any]]) -> str | None:
+    def _write_run(self, start: int, n: int, outputs: Mapping[str, npt.NDArray[Any]]) -> str | None:
         if self._schema is None:
             self._settle(outputs)
         names = self._schema.names[1:]
@@ -192,28 +262,40 @@ class ParquetWriter(Writer):
             problem = self._mismatch(name, outputs[name])
             if problem is not None:
                 return problem
-        self._buffer.append((index, outputs))
-        self._buffer_bytes += sum(v.nbytes if v.dtype.kind != "O" else 64 * v.size for v in outputs.values())
-        if self._buffer_bytes >= block_bytes() or len(self._buffer) >= MAX_BATCH_ROWS:
-            self._flush()
+        # Buffered and flushed where row by row it would be, so that the row groups, and the file, are the same.
+        row_bytes = sum(
+            v.dtype.itemsize * math.prod(v.shape[1:]) if v.dtype.kind != "O" else 64 * math.prod(v.shape[1:])
+            for v in outputs.values()
+        )
+        done = 0
+        while done < n:
+            take = min(n - done, MAX_BATCH_ROWS - self._buffer_rows)
+            if row_bytes:
+                take = min(take, -(-(block_bytes() - self._buffer_bytes) // row_bytes))
+            self._buffer.append((start + done, take, {name: v[done : done + take] for name, v in outputs.items()}))
+            self._buffer_rows += take
+            self._buffer_bytes += take * row_bytes
+            done += take
+            if self._buffer_bytes >= block_bytes() or self._buffer_rows >= MAX_BATCH_ROWS:
+                self._flush()
         return None
 
-    def _mismatch(self, name: str, value: npt.NDArray[Any]) -> str | None:
+    def _mismatch(self, name: str, run: npt.NDArray[Any]) -> str | None:
         pa = self._pa
         leaf, ndim = self._schema.field(name).type, 0
         while pa.types.is_list(leaf):
             leaf, ndim = leaf.value_type, ndim + 1
-        if value.ndim != ndim:
-            return f"output {name!r} has {value.ndim} dims, but the Parquet column has {ndim} (the first row's)"
+        if run.ndim - 1 != ndim:
+            return f"output {name!r} has {run.ndim - 1} dims, but the Parquet column has {ndim} (the first row's)"
         if pa.types.is_string(leaf):
-            ok = value.dtype.kind in "OSU"
+            ok = run.dtype.kind in "OSU"
         else:
-            ok = value.dtype.kind in "biuf" and np.can_cast(value.dtype, leaf.to_pandas_dtype(), casting="safe")
+            ok = run.dtype.kind in "biuf" and np.can_cast(run.dtype, leaf.to_pandas_dtype(), casting="safe")
         if not ok:
-            return f"output {name!r} has dtype {value.dtype}, but the Parquet column is {leaf} (the first row's)"
+            return f"output {name!r} has dtype {run.dtype}, but the Parquet column is {leaf} (the first row's)"
         return None
 
-    def _column(self, values: list[npt.NDArray[Any]], name: str) -> Any:
+    def _column(self, runs: list[npt.NDArray[Any]], name: str) -> Any:
         """Nested Arrow lists built from offsets (no per-element Python work for numbers)."""
         pa = self._pa
         leaf_type = self._schema.field(name).type
@@ -223,15 +305,17 @@ class ParquetWriter(Writer):
         if pa.types.is_string(leaf_type):
             leaves = pa.array(
                 [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s)
-                 for v in values for s in v.reshape(-1).tolist()],
+                 for run in runs for s in run.reshape(-1).tolist()],
                 type=pa.string(),
             )
         else:
             dtype = leaf_type.to_pandas_dtype()
-            leaves = pa.array(np.concatenate([np.asarray(v, dtype=dtype).reshape(-1) for v in values]), type=leaf_type)
+            flat = np.concatenate([np.asarray(run, dtype=dtype).reshape(-1) for run in runs])
+            leaves = pa.array(flat, type=leaf_type)
         for level in reversed(range(ndim)):
+            # A run's rows share one shape: at this level, prod(shape[:level + 1]) lists of shape[level + 1] each.
             lengths = np.concatenate(
-                [np.full(math.prod(v.shape[:level]), v.shape[level], dtype=np.int64) for v in values]
+                [np.full(math.prod(run.shape[: level + 1]), run.shape[level + 1], dtype=np.int64) for run in runs]
             )
             offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
             np.cumsum(lengths, out=offsets[1:])
@@ -243,13 +327,14 @@ class ParquetWriter(Writer):
             return
         pa = self._pa
         names = self._schema.names[1:]
-        columns = [pa.array([i for i, _ in self._buffer], type=pa.int64())]
-        columns += [self._column([row[name] for _, row in self._buffer], name) for name in names]
+        index = np.concatenate([np.arange(start, start + n, dtype=np.int64) for start, n, _ in self._buffer])
+        columns = [pa.array(index, type=pa.int64())]
+        columns += [self._column([run[name] for _, _, run in self._buffer], name) for name in names]
         table = pa.Table.from_arrays(columns, schema=self._schema)
         if self._part_writer is None:
             self._part_writer = self._pq.ParquetWriter(self._part(self._parts), self._schema)
         self._part_writer.write_table(table, row_group_size=table.num_rows)
-        self._buffer, self._buffer_bytes = [], 0
+        self._buffer, self._buffer_bytes, self._buffer_rows = [], 0, 0
 
     def _before_commit(self) -> None:
         self._flush()
@@ -288,7 +373,7 @@ class ParquetWriter(Writer):
         if self._part_writer is not None:
             self._part_writer.close()  # an uncommitted part: the next open() removes it
             self._part_writer = None
-        self._buffer, self._buffer_bytes = [], 0
+        self._buffer, self._buffer_bytes, self._buffer_rows = [], 0, 0
 
     def _tidy_finished(self) -> None:
         if self.parts_dir.is_dir():
