@@ -1,21 +1,26 @@
-"""Scoring jobs measured side by side in one run: score() against perf_analyzer and a naive loop, memory, shm.
+"""Scoring jobs measured side by side in one run: score() now and before, against perf_analyzer; memory; shm.
 
-    python bench/score.py                 # the full run (~10 min on 2 cores)
+    python bench/score.py                 # the full run (~15 min on 2 cores)
     python bench/score.py --quick         # a smoke run of every section (tests use it)
+    python bench/score.py --before REF    # "before" is the package at git REF (default: the last commit before
+                                          # the columnar path); --before none leaves it out
 
 Sections (each prints a table):
 
-1. **Throughput.** The same model and batch shape driven three ways:
-   - ``score()``: the whole job, from a file (text lines for minilm, a float32 ``.npy`` for scale_fp32) to an
-     ``.npy`` output file, at the concurrency where perf_analyzer did best;
-   - ``score_rows()``: the same rows already in memory, results dropped (the engine without file I/O);
-   - NVIDIA's C++ ``perf_analyzer`` at concurrency 1, 2, 4 and 8 (its best is the yardstick; goal: score() >= 0.95x);
+1. **Throughput.** The same model, batch shape and concurrency driven by:
+   - ``score()`` now: the whole job, from a file (text lines for minilm, a float32 ``.npy`` for scale_fp32) to an
+     ``.npy`` output file, at the concurrency where perf_analyzer did best, in a fresh process;
+   - ``score()`` before: the same job with the package as it was at ``--before`` (extracted with ``git archive``
+     into a temporary folder and put first on the child's ``PYTHONPATH``);
+   - ``score_rows()``: the same rows already in memory, results dropped (the per-row interface, no file I/O);
+   - NVIDIA's C++ ``perf_analyzer`` at each ``--concurrency`` (its best is the yardstick; goals: score() >= 0.9x on
+     scale_fp32, >= 0.95x on minilm);
    - a naive sequential ``tritonclient.grpc`` loop, one row per request.
    Two models: ``minilm`` (the real encoder ensemble; every row the same sentence, so every batch has the same
    shape), and ``scale_fp32`` (16 floats a row, almost no compute: the client's own cost shows).
    Rounds rotate who goes first; the figures are medians of ``--rounds``.
-2. **Memory.** score() in a fresh process over 1,000 and 100,000 rows of ``scale_fp32``: the peak RSS (VmHWM) of
-   each (goal: 100k <= 1.2x 1k).
+2. **Memory.** score() now and before, each in a fresh process over 1,000 and 100,000 rows of ``scale_fp32``
+   (``.npy`` in, ``.npy`` out, and JSONL in, JSONL out): the peak RSS (VmHWM) of each (goal: 100k <= 1.2x 1k).
 3. **Shared memory.** ``score_rows`` over rows of ~1 MB (262,144 floats) of ``scale_fp32``, through system shared
    memory and through the plain gRPC path, alternating rounds.
 """
@@ -40,10 +45,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.perf_analyzer import PerfAnalyzer, ensure_perf_analyzer, run_perf_analyzer
-from triton_npu_client import Client, LocalTriton, score, score_rows
+from triton_npu_client import Client, LocalTriton, score_rows
 
 SENTENCE = "The morning was fine, and the whole party walked down to the sea to watch the ships come in."
 SHM_FLOATS = 262_144  # 1 MiB of FP32 per row
+# The last commit before the columnar path (issue 16): what "before" means unless --before says otherwise.
+BEFORE = "ca7f844"
 
 
 # -- 1. throughput ------------------------------------------------------------------------------------------------
@@ -101,17 +108,62 @@ async def time_score_rows(url: str, model: str, rows: list[Any], *, batch: int, 
     return ok / elapsed
 
 
-async def time_score(url: str, model: str, source: Path, out: Path, *, batch: int, concurrency: int) -> float:
-    for leftover in out.parent.glob(out.name + "*"):
-        leftover.unlink()
-    async with Client(f"grpc://{url}", timeout_s=120) as client:
+SCORE_CHILD = """
+import asyncio, json, sys, time
+from pathlib import Path
+import triton_npu_client
+from triton_npu_client import Client, score
+url, model, source, out, batch, concurrency = sys.argv[1:5] + [int(v) for v in sys.argv[5:7]]
+for leftover in Path(out).parent.glob(Path(out).name + "*"):
+    leftover.unlink()
+async def main():
+    async with Client(url, timeout_s=120) as client:
         handle = await client.model(model)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         summary = await score(handle, source, out, batch_size=batch, concurrency=concurrency, progress=False)
-        elapsed = time.perf_counter() - started
-    if summary.rows_failed:
-        raise SystemExit(f"score() failed {summary.rows_failed} rows")
-    return summary.rows_ok / elapsed
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    assert summary.rows_failed == 0 and summary.rows_ok > 0, summary
+    return {"rate": summary.rows_ok / elapsed, "cpu_s": cpu, "package": triton_npu_client.__file__}
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def child_env(tree: Path | None) -> dict[str, str]:
+    """The environment of a child that imports the package from ``tree`` (None: this checkout)."""
+    env = dict(os.environ)
+    root = tree if tree is not None else Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def time_score(url: str, model: str, source: Path, out: Path, *, batch: int, concurrency: int,
+               tree: Path | None = None) -> float:
+    """score() file to file in a fresh process, with the package from ``tree``; rows/s."""
+    done = subprocess.run(
+        [sys.executable, "-c", SCORE_CHILD, f"grpc://{url}", model, str(source), str(out), str(batch),
+         str(concurrency)],
+        capture_output=True, text=True, env=child_env(tree), cwd=out.parent, timeout=1200,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"score() child failed:\n{done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = (tree or Path(__file__).resolve().parents[1]).resolve()
+    if not Path(result["package"]).resolve().is_relative_to(expected):
+        raise SystemExit(f"the child imported {result['package']}, not the package under {expected}")
+    return float(result["rate"])
+
+
+def before_tree(ref: str, folder: Path) -> Path | None:
+    """The package as it was at git ``ref``, extracted under ``folder``; None for ``none``."""
+    if ref == "none":
+        return None
+    root = Path(__file__).resolve().parents[1]
+    tree = folder / "before"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", ref, "triton_npu_client"], capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
 
 
 def naive_loop(url: str, model: str, n: int) -> float:
@@ -134,8 +186,9 @@ def naive_loop(url: str, model: str, n: int) -> float:
         client.close()
 
 
-def throughput(pa: PerfAnalyzer, url: str, folder: Path, ns: argparse.Namespace, model: str) -> dict[str, Any]:
-    batch = ns.batch
+def throughput(
+    pa: PerfAnalyzer, url: str, folder: Path, ns: argparse.Namespace, model: str, batch: int, before: Path | None
+) -> dict[str, Any]:
     data = folder / "perf_data.json"
     data.write_text(json.dumps({"data": [{"TEXT": {"content": [SENTENCE], "shape": [1]}}]}))
     rows = ns.rows_minilm if model == "minilm" else ns.rows_scale
@@ -146,40 +199,50 @@ def throughput(pa: PerfAnalyzer, url: str, folder: Path, ns: argparse.Namespace,
     for c in ns.concurrency:
         result = run_perf_analyzer(pa, perf_args(model, url, batch, c, data, ns.interval_ms), timeout_s=600)
         sweep[c] = result.throughput_infer_s  # perf_analyzer counts inferences: rows, not requests
-        print(f"  {model}: perf_analyzer c={c}: {sweep[c]:,.0f} rows/s", flush=True)
+        print(f"  {model} b={batch}: perf_analyzer c={c}: {sweep[c]:,.0f} rows/s", flush=True)
     best = max(sweep, key=lambda c: sweep[c])
-    pa_runs, score_runs, engine_runs = [], [], []
+    pa_runs: list[float] = []
+    score_runs: list[float] = []
+    before_runs: list[float] = []
+    engine_runs: list[float] = []
     in_memory = memory_rows(model, rows)
     for r in range(ns.rounds):
         # Rotate who goes first: a machine whose load drifts favours no contender.
-        order = ["pa", "score", "engine"]
-        order = order[r % 3:] + order[:r % 3]
+        order = ["pa", "score", "before", "engine"] if before is not None else ["pa", "score", "engine"]
+        order = order[r % len(order):] + order[:r % len(order)]
         for which in order:
             if which == "pa":
                 result = run_perf_analyzer(pa, perf_args(model, url, batch, best, data, ns.interval_ms), timeout_s=600)
                 pa_runs.append(result.throughput_infer_s)
             elif which == "score":
-                score_runs.append(asyncio.run(time_score(url, model, source, out, batch=batch, concurrency=best)))
+                score_runs.append(time_score(url, model, source, out, batch=batch, concurrency=best))
+            elif which == "before":
+                before_runs.append(time_score(url, model, source, out, batch=batch, concurrency=best, tree=before))
             else:
                 engine_runs.append(asyncio.run(time_score_rows(url, model, in_memory, batch=batch, concurrency=best)))
-        print(f"  {model} round {r + 1}: perf_analyzer {pa_runs[-1]:,.0f}, score() {score_runs[-1]:,.0f}, "
-              f"score_rows {engine_runs[-1]:,.0f} rows/s", flush=True)
+        was = f", score() before {before_runs[-1]:,.0f}" if before_runs else ""
+        print(f"  {model} b={batch} round {r + 1}: perf_analyzer {pa_runs[-1]:,.0f}, score() {score_runs[-1]:,.0f}"
+              f"{was}, score_rows {engine_runs[-1]:,.0f} rows/s", flush=True)
     naive = naive_loop(url, model, ns.naive_rows)
     return {
-        "model": model, "best_c": best, "sweep": sweep, "pa": statistics.median(pa_runs),
+        "model": model, "batch": batch, "best_c": best, "sweep": sweep, "pa": statistics.median(pa_runs),
         "score": statistics.median(score_runs), "engine": statistics.median(engine_runs), "naive": naive,
-        "rows": rows,
+        "before": statistics.median(before_runs) if before_runs else None, "rows": rows,
+        "pa_runs": pa_runs, "score_runs": score_runs, "before_runs": before_runs,
     }
 
 
 # -- 2. memory ----------------------------------------------------------------------------------------------------
 
 
-def peak_rss_child(url: str, rows: int, folder: Path) -> int:
-    """VmHWM (KiB) of a fresh process that scores ``rows`` rows of scale_fp32 from JSONL to JSONL."""
-    source = folder / f"rss-{rows}.jsonl"
-    write_rows(source, "scale_fp32", rows)
-    out = folder / f"rss-{rows}-out.jsonl"
+def peak_rss_child(url: str, rows: int, folder: Path, suffix: str, tree: Path | None) -> int:
+    """VmHWM (KiB) of a fresh process that scores ``rows`` rows of scale_fp32 from ``suffix`` to ``suffix``."""
+    source = folder / f"rss-{rows}{suffix}"
+    if not source.exists():
+        write_rows(source, "scale_fp32", rows)
+    out = folder / f"rss-{rows}-out{suffix}"
+    for leftover in folder.glob(out.name + "*"):
+        leftover.unlink()
     code = (
         "import asyncio, sys\n"
         "from triton_npu_client import Client, score\n"
@@ -191,8 +254,21 @@ def peak_rss_child(url: str, rows: int, folder: Path) -> int:
         "asyncio.run(main())\n"
         "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=child_env(tree), cwd=folder)
     return int(done.stdout.strip().splitlines()[-1])
+
+
+def memory_section(url: str, folder: Path, ns: argparse.Namespace, before: Path | None) -> list[dict[str, Any]]:
+    table = []
+    for suffix in (".npy", ".jsonl"):
+        for label, tree in [("now", None), ("before", before)]:
+            if label == "before" and tree is None:
+                continue
+            small, large = (peak_rss_child(url, n, folder, suffix, tree) for n in ns.rss_rows)
+            table.append({"format": suffix, "code": label, "small": small, "large": large})
+            print(f"  rss {suffix} {label}: {small / 1024:.1f} MiB, {large / 1024:.1f} MiB", flush=True)
+    return table
 
 
 # -- 3. shared memory ---------------------------------------------------------------------------------------------
@@ -240,7 +316,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="score() vs perf_analyzer vs a naive loop; memory; shared memory")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, one round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 32],
+                        help="rows per request (score()'s default is the model's max_batch_size: 64 for both)")
+    parser.add_argument("--before", default=BEFORE,
+                        help="git ref of the package to compare with ('none': leave it out)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--rows-minilm", type=int, default=4000)
     parser.add_argument("--rows-scale", type=int, default=200_000)
@@ -253,6 +332,7 @@ def main() -> int:
     ns = parser.parse_args()
     if ns.quick:
         ns.rounds, ns.concurrency, ns.rows_minilm, ns.rows_scale, ns.naive_rows = 1, [2], 64, 2000, 20
+        ns.batch = ns.batch[:1]
         ns.interval_ms, ns.rss_rows, ns.shm_rows, ns.shm_batches = 500, [100, 1000], 8, [4]
     pa = ensure_perf_analyzer()
     load = sorted({*ns.models, "scale_fp32"})
@@ -262,31 +342,38 @@ def main() -> int:
         folder = Path(tmp)
         url = server.grpc_url.removeprefix("grpc://")
         print(f"server {server.grpc_url}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}", flush=True)
-        results = [throughput(pa, url, folder, ns, model) for model in ns.models]
-        small, large = (peak_rss_child(server.grpc_url, n, folder) for n in ns.rss_rows)
+        before = before_tree(ns.before, folder)
+        results = [throughput(pa, url, folder, ns, model, batch, before) for batch in ns.batch for model in ns.models]
+        memory = memory_section(server.grpc_url, folder, ns, before)
         shm = shm_section(server.grpc_url, ns)
     print()
-    print(f"## Throughput (batch {ns.batch}; medians of {ns.rounds} alternating rounds)")
+    print(f"## Throughput (medians of {ns.rounds} alternating rounds; before = the package at {ns.before})")
     print()
-    print("| model | rows | perf_analyzer best (c) | score(), file to file | score() / perf_analyzer | "
-          "score_rows, in memory | score_rows / perf_analyzer | naive loop | score() / naive |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | batch | rows | perf_analyzer best (c) | score() now | **now / perf_analyzer** | score() before | "
+          "before / perf_analyzer | now / before | score_rows, in memory | naive loop |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
+        was = r["before"]
+        before_cells = (f"{was:,.0f} | {was / r['pa']:.2f}x | {r['score'] / was:.2f}x" if was else "- | - | -")
         print(
-            f"| {r['model']} | {r['rows']:,} | {r['pa']:,.0f} ({r['best_c']}) | {r['score']:,.0f} | "
-            f"**{r['score'] / r['pa']:.2f}x** | {r['engine']:,.0f} | {r['engine'] / r['pa']:.2f}x | "
-            f"{r['naive']:,.0f} | {r['score'] / r['naive']:.1f}x |"
+            f"| {r['model']} | {r['batch']} | {r['rows']:,} | {r['pa']:,.0f} ({r['best_c']}) | {r['score']:,.0f} | "
+            f"**{r['score'] / r['pa']:.2f}x** | {before_cells} | {r['engine']:,.0f} | {r['naive']:,.0f} |"
         )
     print()
-    print("perf_analyzer sweep (rows/s): " + "; ".join(
-        f"{r['model']}: " + ", ".join(f"c={c} {v:,.0f}" for c, v in r["sweep"].items()) for r in results
-    ))
+    for r in results:
+        print(f"- {r['model']} b={r['batch']}: perf_analyzer sweep " +
+              ", ".join(f"c={c} {v:,.0f}" for c, v in r["sweep"].items()) +
+              "; per round: perf_analyzer " + ", ".join(f"{v:,.0f}" for v in r["pa_runs"]) +
+              "; now " + ", ".join(f"{v:,.0f}" for v in r["score_runs"]) +
+              ("; before " + ", ".join(f"{v:,.0f}" for v in r["before_runs"]) if r["before_runs"] else ""))
     print()
-    print("## Client peak RSS (VmHWM), score() of scale_fp32 rows, JSONL -> JSONL")
+    print("## Client peak RSS (VmHWM), score() of scale_fp32 rows, file to file, concurrency 4")
     print()
-    print(f"| {ns.rss_rows[0]:,} rows | {ns.rss_rows[1]:,} rows | ratio |")
-    print("|---:|---:|---:|")
-    print(f"| {small / 1024:.1f} MiB | {large / 1024:.1f} MiB | **{large / small:.2f}x** |")
+    print(f"| format | code | {ns.rss_rows[0]:,} rows | {ns.rss_rows[1]:,} rows | ratio |")
+    print("|---|---|---:|---:|---:|")
+    for m in memory:
+        print(f"| {m['format']} | {m['code']} | {m['small'] / 1024:.1f} MiB | {m['large'] / 1024:.1f} MiB | "
+              f"**{m['large'] / m['small']:.2f}x** |")
     print()
     print(f"## Shared memory vs plain gRPC, rows of {SHM_FLOATS * 4 / 2**20:.0f} MiB (scale_fp32, concurrency 2)")
     print()

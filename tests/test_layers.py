@@ -45,14 +45,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """The package modules ``path`` imports (absolute names)."""
+def _import_statements(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """Each import of a package module in ``path``: (absolute module name, the names taken from it)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
+    found: list[tuple[str, tuple[str, ...]]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith(ROOT))
+            found.extend((a.name, ()) for a in node.names if a.name.startswith(ROOT))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -60,13 +60,20 @@ def _imports(path: Path) -> set[str]:
                 target = ".".join([*base, node.module] if node.module else base)
             else:
                 target = node.module or ""
-            if not target.startswith(ROOT):
-                continue
-            found.add(target)
-            for alias in node.names:  # `from . import _x` names a module
-                if (PACKAGE.parent / Path(*f"{target}.{alias.name}".split("."))).with_suffix(".py").exists():
-                    found.add(f"{target}.{alias.name}")
-    found.discard(name)
+            if target.startswith(ROOT):
+                found.append((target, tuple(a.name for a in node.names)))
+    return found
+
+
+def _imports(path: Path) -> set[str]:
+    """The package modules ``path`` imports (absolute names)."""
+    found: set[str] = set()
+    for target, names in _import_statements(path):
+        found.add(target)
+        for alias in names:  # `from . import _x` names a module
+            if (PACKAGE.parent / Path(*f"{target}.{alias}".split("."))).with_suffix(".py").exists():
+                found.add(f"{target}.{alias}")
+    found.discard(_module_name(path))
     return found
 
 
@@ -217,4 +224,50 @@ def test_the_checker_sees_an_engine_importing_another_and_the_toolkit_importing_
         f"{SERVER}.chat.x -> {SERVER}",
         f"{SERVER}.chat.x -> {SERVER}.encoder",
         f"{SERVER}.chat.x -> {SERVER}.encoder.z",
+    ]
+
+
+# -- private names stay inside their layer -------------------------------------------------------------------------
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """Imports in ``path`` that reach a private part of another layer: a module under the layer's package
+    (``.._model._build``) or an underscore name (``from .._model import _fmt``). A layer's package ``__init__``
+    is its public face; what it does not export, other layers do not use."""
+    name = _module_name(path)
+    layer = _layer(name)
+    found = []
+    for target, names in _import_statements(path):
+        if target in SHARED_LEAFS or target == ROOT or _layer(target) == layer:
+            continue
+        deeper = target != f"{ROOT}.{_layer(target)}"
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]  # a module or a name
+        if deeper or private:
+            found.append(f"{name} -> {target}" + (f" ({', '.join(private)})" if private else ""))
+    return found
+
+
+def test_no_private_import_across_layers() -> None:
+    """Another layer is used through its package only: no ``from .._model._build import …``, no ``_names``."""
+    reaches = [r for path in sorted(PACKAGE.rglob("*.py")) for r in _private_reaches(path)]
+    assert reaches == []
+
+
+def test_the_checker_sees_a_private_import_across_layers(tmp_path: Path) -> None:
+    """The rule above can fail: a private module of another layer, and a private name from its package."""
+    fake = tmp_path / ROOT / "_jobs"
+    fake.mkdir(parents=True)
+    (fake / "x.py").write_text(
+        "from .._model._build import build_request\nfrom .._model import _plans\nfrom . import _score\n"
+    )
+    global PACKAGE
+    saved = PACKAGE
+    PACKAGE = tmp_path / ROOT
+    try:
+        reaches = _private_reaches(fake / "x.py")
+    finally:
+        PACKAGE = saved
+    assert reaches == [
+        "triton_npu_client._jobs.x -> triton_npu_client._model._build",
+        "triton_npu_client._jobs.x -> triton_npu_client._model (_plans)",
     ]

@@ -6,19 +6,18 @@ requests finish out of order; a negative X[0] fails its whole request) and ``sca
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
 import shutil
 import signal
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import attrs
 import numpy as np
 import pytest
+from _stats import stats_after
 
 from triton_npu_client import (
     BatchSizeError,
@@ -28,9 +27,9 @@ from triton_npu_client import (
     InternalServerError,
     LocalTriton,
     MissingInputError,
-    ModelStatistics,
     RowParseError,
     ScoredRow,
+    UnknownInputError,
     UsageError,
     score,
     score_rows,
@@ -47,18 +46,6 @@ def probe_rows(n: int, *, delay_ms: float = 0.0, seed: int = 0) -> list[dict[str
 async def collect(it: AsyncIterator[ScoredRow]) -> list[ScoredRow]:
     return [row async for row in it]
 
-
-async def stats_after(client: Client, name: str, before: ModelStatistics, rows: int) -> ModelStatistics:
-    """The model's statistics once they count ``rows`` more inferences than ``before``.
-
-    Triton updates them just after it sends a response, so a read right after the last answer can miss it.
-    """
-    deadline = time.monotonic() + 30
-    while True:
-        (now,) = await client.inference_statistics(name)
-        if now.inference_count - before.inference_count >= rows or time.monotonic() > deadline:
-            return now
-        await asyncio.sleep(0.01)
 
 
 async def test_order_is_kept_when_requests_finish_out_of_order(triton_server: LocalTriton) -> None:
@@ -99,21 +86,24 @@ async def test_bad_rows_become_typed_errors_and_the_rest_go_on(triton_server: Lo
         rows: list[object] = [dict(r) for r in probe_rows(40)]
         rows[3] = {"X": ["a", "b"]}  # BYTES given to an FP32 input
         rows[7] = {"X": [1.0, 2.0, 3.0]}  # 3 values for dims [2]
-        rows[11] = {"Y": [1.0, 0.0]}  # no X
+        rows[11] = {"Y": [1.0, 0.0]}  # a name the model does not have (infer() refuses it so too)
+        rows[12] = {}  # no X
         rows[17] = BadRow("line 18: Expecting value")  # a line the reader could not parse
         rows[23] = {"X": [-5.0, 0.0]}  # the model refuses it: its whole request fails, then isolation finds it
         rows[24] = [24.0, 0.0]  # a bare value: fine for a one-input model
         out = await collect(score_rows(model, rows, concurrency=3, batch_size=8))
     assert [r.index for r in out] == list(range(40))
     errors = {r.index: r.error for r in out if not r.ok}
-    assert set(errors) == {3, 7, 11, 17, 23}
+    assert set(errors) == {3, 7, 11, 12, 17, 23}
     assert isinstance(errors[3], InputDtypeError)
     assert errors[3].input_name == "X"
     assert isinstance(errors[7], InputShapeError)
     assert "[2]" in str(errors[7])
     assert "[3]" in str(errors[7])
-    assert isinstance(errors[11], MissingInputError)
-    assert errors[11].input_name == "X"
+    assert isinstance(errors[11], UnknownInputError)
+    assert errors[11].input_name == "Y"
+    assert isinstance(errors[12], MissingInputError)
+    assert errors[12].input_name == "X"
     assert isinstance(errors[17], RowParseError)
     assert "line 18" in str(errors[17])
     assert isinstance(errors[23], InternalServerError)

@@ -84,6 +84,7 @@ if _typing.TYPE_CHECKING:
         ReplicaStatus,
     )
     from ._jobs import (
+        RayScorer,
         ScoredBatch,
         ScoredRow,
         ScoreSummary,
@@ -91,9 +92,6 @@ if _typing.TYPE_CHECKING:
         score_batches,
         score_rows,
         score_sync,
-    )
-    from ._jobs._ray import (
-        RayScorer,
     )
     from ._local import (
         LocalTriton,
@@ -162,7 +160,7 @@ _LAZY: dict[str, str] = {
     "score_batches": "._jobs",
     "score_rows": "._jobs",
     "score_sync": "._jobs",
-    "RayScorer": "._jobs._ray",
+    "RayScorer": "._jobs",
     "ControlInput": "._model",
     "ModelSpec": "._model",
     "SequenceSpec": "._model",

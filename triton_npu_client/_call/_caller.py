@@ -85,6 +85,7 @@ class Caller:
         timeout_s: float | None,
         request_id: str = "",
         retry: bool = True,
+        coalesce: bool = True,
         max_batch_size: int = 0,
         dynamic_batching: bool = False,
     ) -> InferResult:
@@ -97,7 +98,7 @@ class Caller:
         try:
             coalescer = self.coalescer
             policy = self.retry if retry else NO_RETRY
-            if coalescer is not None and not request_id and coalescer.eligible(
+            if coalesce and coalescer is not None and not request_id and coalescer.eligible(
                 request, max_batch_size=max_batch_size, dynamic_batching=dynamic_batching
             ):
                 if span is not None:

@@ -124,8 +124,12 @@ class Model:
         timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
         request_id: str = "",
         retry: bool = True,
+        coalesce: bool = True,
     ) -> InferResult:
         """Send a prebuilt request. ``timeout_s`` is the gRPC deadline and Triton's server-side timeout.
+
+        ``coalesce=False``: send it as built, never merged with concurrent requests (a caller that forms its own
+        batches, such as a scoring job, keeps the batch shape it chose).
 
         Refused before any network call: a decoupled model (use :meth:`stream`) and a stateful model (use
         :meth:`sequence`).
@@ -138,6 +142,7 @@ class Model:
             timeout_s=self._caller.timeout(timeout_s),
             request_id=request_id,
             retry=retry,
+            coalesce=coalesce,
             max_batch_size=spec.max_batch_size,
             dynamic_batching=spec.dynamic_batching,
         )

@@ -8,6 +8,7 @@ checkpoint before anything is opened; ``_score`` is the job.
 from ._checkpoint import CheckpointMismatch, ResumableOutput
 from ._ordered import ordered_map
 from ._plan import JobPlan, plan_job
+from ._ray import RayScorer
 from ._safety import (
     CheckpointFilesMismatch,
     InputFileError,
@@ -19,7 +20,7 @@ from ._safety import (
     SameFileError,
     UnknownFormatError,
 )
-from ._score import ScoredRow, ScoreSummary, score, score_rows, score_sync
+from ._score import ScoredBatch, ScoredRow, ScoreSummary, score, score_batches, score_rows, score_sync
 from .formats import MAX_LINE_BYTES, read_rows
 
 __all__ = [
@@ -32,16 +33,19 @@ __all__ = [
     "JobPlan",
     "OutputExistsError",
     "OutputFolderError",
+    "RayScorer",
     "ResumableOutput",
     "ResumeNotConfirmed",
     "SameFileError",
     "ScoreSummary",
+    "ScoredBatch",
     "ScoredRow",
     "UnknownFormatError",
     "ordered_map",
     "plan_job",
     "read_rows",
     "score",
+    "score_batches",
     "score_rows",
     "score_sync",
 ]

@@ -24,7 +24,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-async def _aiter(items: Iterable[T] | AsyncIterable[T]) -> AsyncGenerator[T, None]:
+async def aiter_any(items: Iterable[T] | AsyncIterable[T]) -> AsyncGenerator[T, None]:
+    """Iterate a sync or an async iterable alike; leaving early closes an async one's generator now."""
     if isinstance(items, AsyncIterable):
         iterator = aiter(items)
         try:
@@ -61,7 +62,7 @@ async def ordered_map(
     held = concurrency if window is None else window
     if held < concurrency:
         raise ValueError(f"window must be >= concurrency ({concurrency}), got {held}")
-    source = _aiter(items)
+    source = aiter_any(items)
     pending: deque[tuple[T, asyncio.Task[R]]] = deque()
     running = 0  # calls started and not finished; kept in step by _done below
     exhausted = False

@@ -1,8 +1,9 @@
 """Ray Data adapter: score a Ray Dataset through Triton with ``Dataset.map_batches``, one client per worker.
 
 Ray Data builds one :class:`RayScorer` per actor of the pool and calls it with one numpy batch at a time. Each
-batch goes through :func:`score_rows` (the packing, retries and bad-row isolation of :func:`score`), so a batch of
-rows comes back as the same batch of rows, in order, each with its outputs or its error.
+batch goes through :func:`score_batches` as columns (the packing, retries and bad-row isolation of :func:`score`,
+with no per-row Python for a batch whose rows are all good), so a batch of rows comes back as the same batch of
+rows, in order, each with its outputs or its error.
 
 This module never imports ``ray``: the class is plain Python that Ray pickles and constructs in its workers, and
 ``import triton_npu_client`` stays free of Ray whether or not it is installed.
@@ -37,8 +38,8 @@ from .._errors import (
     UnknownOutputError,
     UsageError,
 )
-from .._wire._dtypes import numpy_dtype
-from ._score import ScoredRow, score_rows
+from .._wire import numpy_dtype
+from ._score import ScoredBatch, score_batches
 
 if TYPE_CHECKING:
     from .._client import Client, Model
@@ -181,13 +182,16 @@ class RayScorer:
                 "another error_column, or pass keep_columns=False",
                 model=self.model,
             )
-        rows = [{name: batch[column][i] for column, name in names.items()} for i in range(n)]
-        scored = await worker.score(rows)
-        for tensor in out_tensors:
-            values = [s.outputs[tensor.name] if s.outputs is not None else None for s in scored]
-            result[tensor.name] = _column(values, tensor)
+        columns = {name: batch[column] for column, name in names.items()}
+        scored = await worker.score(columns, n)
         errors = np.empty(n, dtype=object)
-        errors[:] = [_describe(s.error) for s in scored]
+        errors[:] = ""
+        runs = [run for part in scored for run in part.runs]
+        for part in scored:
+            for index, error, _ in part.errors:
+                errors[index] = _describe(error)
+        for tensor in out_tensors:
+            result[tensor.name] = _output_column(runs, n, tensor)
         result[self.error_column] = errors
         return result
 
@@ -304,22 +308,27 @@ class _Worker:
         assert self._spec is not None
         return self._spec
 
-    async def score(self, rows: list[dict[str, Any]]) -> list[ScoredRow]:
-        """Every row's outcome, in order; the rows left when an endpoint fails go to the next."""
-        scored: list[ScoredRow] = []
+    async def score(self, columns: Mapping[str, npt.NDArray[Any]], n: int) -> list[ScoredBatch]:
+        """Every row's outcome, in order, as columns; the rows left when an endpoint fails go to the next."""
+        scored: list[ScoredBatch] = []
+        done = 0
         deadline = time.monotonic() + self.scorer.patience_s
 
         async def attempt(model: Model) -> None:
-            async for row in score_rows(
+            nonlocal done
+            if done >= n:
+                return
+            async for part in score_batches(
                 model,
-                rows[len(scored) :],
-                start=len(scored),
+                [{name: column[done:] for name, column in columns.items()}],
+                start=done,
                 concurrency=self.scorer.concurrency,
                 batch_size=self.scorer.batch_size,
                 outputs=self.scorer.outputs,
                 patience_s=min(self.scorer.failover_after_s, max(0.1, deadline - time.monotonic())),
             ):
-                scored.append(row)
+                scored.append(part)
+                done += part.length
 
         await self._with_endpoint(attempt)
         return scored
@@ -391,6 +400,27 @@ def _fill_value(dtype: np.dtype[Any]) -> Any:
     if dtype.kind in "OSUV":
         return b""
     return 0
+
+
+def _output_column(
+    runs: Sequence[tuple[int, Mapping[str, npt.NDArray[Any]]]], n: int, tensor: TensorSpec
+) -> npt.NDArray[Any]:
+    """One output column for the batch's ``n`` rows from its runs of good rows; failed rows filled."""
+    outs = [(index, outputs[tensor.name]) for index, outputs in runs if tensor.name in outputs]
+    if len(outs) == 1 and outs[0][0] == 0 and len(outs[0][1]) == n:
+        return outs[0][1]  # every row good, one request: the response's array as it came
+    if len({out.shape[1:] for _, out in outs}) <= 1 and len({out.dtype for _, out in outs}) <= 1:
+        dtype = outs[0][1].dtype if outs else numpy_dtype(tensor.dtype)
+        shape = outs[0][1].shape[1:] if outs else tuple(max(d, 0) for d in tensor.dims)
+        column = np.full((n, *shape), _fill_value(dtype), dtype=dtype)
+        for index, out in outs:
+            column[index : index + len(out)] = out
+        return column
+    values: list[npt.NDArray[Any] | None] = [None] * n
+    for index, out in outs:
+        for i in range(len(out)):
+            values[index + i] = out[i]
+    return _column(values, tensor)
 
 
 def _column(values: list[npt.NDArray[Any] | None], tensor: TensorSpec) -> npt.NDArray[Any]:

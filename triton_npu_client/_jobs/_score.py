@@ -27,9 +27,9 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypedDict, Unpack
 
 import attrs
 import numpy as np
@@ -38,35 +38,34 @@ import numpy.typing as npt
 from .._call import USE_CLIENT_DEFAULT, UseClientDefault
 from .._errors import (
     ConnectError,
-    InputShapeError,
     JobAborted,
-    MissingInputError,
     ModelNotFoundError,
     ModelNotReadyError,
     RequestTimeout,
     RowParseError,
     ServerUnavailable,
+    UnknownOutputError,
     UsageError,
 )
-from .._model import ModelSpec, TensorSpec
-from .._model._build import _fmt, _shape_matches
-from .._wire import InferResult
-from .._wire._dtypes import coerce
-from ._formats import MAX_LINE_BYTES, BadRow, read_rows
-from ._ordered import ordered_map
+from .._model import Arrays, ModelSpec, validate_batch, validate_row
+from .._wire import InferRequest, InferResult
+from ._ordered import aiter_any, ordered_map
 from ._plan import plan_job
 from ._progress import Progress
 from ._safety import InputFileError, JobPathError
+from .formats import MAX_LINE_BYTES, BadRow, RowSource, read_rows
 
 if TYPE_CHECKING:
     from .._client import Model
 
-__all__ = ["Row", "ScoreSummary", "ScoredRow", "score", "score_rows", "score_sync"]
+__all__ = [
+    "Row", "ScoreOptions", "ScoreSummary", "ScoredBatch", "ScoredRow", "score", "score_batches", "score_rows",
+    "score_sync",
+]
 
 _log = logging.getLogger("triton_npu_client.score")
 
 Row: TypeAlias = Mapping[str, Any] | Any
-Arrays: TypeAlias = dict[str, npt.NDArray[Any]]
 PathLike: TypeAlias = str | os.PathLike[str]
 
 
@@ -128,170 +127,259 @@ class ScoreSummary:
         )
 
 
-# -- one row, checked alone -------------------------------------------------------------------------------------
+# -- chunks: consecutive rows, checked together --------------------------------------------------------------------
 
 
-def _row_arrays(row: Row, spec: ModelSpec) -> Arrays:
-    """The row's value for each model input, coerced and shape-checked as one sample; raises a typed InputError."""
-    inputs = spec.inputs
-    if not isinstance(row, Mapping):
-        if len(inputs) != 1:
-            raise UsageError(
-                f"model {spec.name!r} has {len(inputs)} inputs ({', '.join(t.name for t in inputs)}): "
-                f"give each row as a mapping from input name to value, not a {type(row).__name__}",
-                model=spec.name,
-            )
-        row = {inputs[0].name: row}
-    arrays: Arrays = {}
-    for tensor in inputs:
-        if tensor.name not in row:
-            if tensor.optional:
-                continue
-            raise MissingInputError(
-                f"input {tensor.name!r} missing from the row (it has {', '.join(map(repr, row)) or 'no keys'})",
-                input_name=tensor.name,
-                model=spec.name,
-            )
-        arrays[tensor.name] = _sample(row[tensor.name], tensor, spec)
-    return arrays
+class _Chunk(Protocol):
+    """Consecutive rows ``start .. start+length-1``: as columns when every row was parsed, else one by one."""
 
+    @property
+    def start(self) -> int: ...
 
-def _sample(value: object, tensor: TensorSpec, spec: ModelSpec) -> npt.NDArray[Any]:
-    arr = coerce(value, tensor.dtype, name=tensor.name, model=spec.name)
-    dims = tensor.dims
-    if arr.ndim == 0 and len(dims) == 1 and dims[0] in (1, -1):
-        arr = arr.reshape(1)  # a scalar for a one-element vector input: the usual "TEXT dims [1]" case
-    if not _shape_matches(arr.shape, dims):
-        raise InputShapeError(
-            f"input {tensor.name!r}: expected shape {_fmt(dims)} per row, given {_fmt(arr.shape)}",
-            input_name=tensor.name,
-            model=spec.name,
-        )
-    return arr
+    @property
+    def length(self) -> int: ...
 
+    @property
+    def columns(self) -> Mapping[str, Any] | None: ...
 
-# -- packing ----------------------------------------------------------------------------------------------------
+    def row(self, i: int) -> Any: ...
 
 
 @attrs.frozen
-class _Chunk:
-    """What one slot of ordered_map carries: consecutive rows, in order.
+class _MemoryChunk:
+    """A chunk of rows from an iterable (``rows``), or a slice of a caller's column batch (``columns``)."""
 
-    ``entries`` are every row's (index, its own error or None, the row as given); the good ones travel together
-    as ``batch`` (one array per input, rows stacked in order) in one request. Refused rows ride along, so order
-    is kept for free.
+    start: int
+    length: int
+    columns: Mapping[str, Any] | None = None
+    rows: Sequence[Any] | None = None
+
+    def row(self, i: int) -> Any:
+        if self.rows is not None:
+            return self.rows[i]
+        assert self.columns is not None
+        return {name: column[i] for name, column in self.columns.items()}
+
+
+@attrs.frozen
+class _Unit:
+    """One slot of ordered_map: a chunk, the batches its good rows travel in, and the rows refused before sending.
+
+    ``parts``: (positions within the chunk, validated arrays) per request; rows of one request share their shapes.
+    ``refused``: position -> the typed error that refused the row. Refused rows ride along, so order is kept.
     """
 
-    entries: list[tuple[int, Exception | None, Any]]
-    good: list[int]
-    batch: Arrays | None
+    chunk: _Chunk
+    parts: list[tuple[Sequence[int], Arrays]]
+    refused: dict[int, Exception]
 
 
-def _fast_batch(raw: list[tuple[int, Any]], spec: ModelSpec) -> Arrays | None:
-    """All rows coerced and checked at once, or None when any row needs a look of its own.
-
-    The common case (every row well formed) costs one conversion per input instead of one per row; whenever it
-    fails, the per-row path decides, so the outcome is the same as checking each row alone.
-    """
+def _as_columns(chunk: _Chunk, spec: ModelSpec) -> Mapping[str, Any] | None:
+    """The chunk's rows as one column per input, or None when a row needs a look of its own."""
+    if chunk.columns is not None:
+        return chunk.columns
     inputs = spec.inputs
-    single = len(inputs) == 1
-    columns: dict[str, list[Any]] = {t.name: [] for t in inputs}
-    for _, row in raw:
+    names = [t.name for t in inputs]
+    columns: dict[str, list[Any]] = {name: [] for name in names}
+    for i in range(chunk.length):
+        row = chunk.row(i)
         if isinstance(row, BadRow):
             return None
         if not isinstance(row, Mapping):
-            if not single:
+            if len(names) != 1:
                 return None
-            columns[inputs[0].name].append(row)
+            columns[names[0]].append(row)
             continue
-        for tensor in inputs:
-            if tensor.name not in row:
-                return None  # missing, or an optional input some rows leave out
-            columns[tensor.name].append(row[tensor.name])
-    batch: Arrays = {}
-    try:
-        for tensor in inputs:
-            arr = coerce(columns[tensor.name], tensor.dtype, name=tensor.name, model=spec.name)
-            dims = tensor.dims
-            if arr.ndim == 1 and len(dims) == 1 and dims[0] in (1, -1):
-                arr = arr.reshape(-1, 1)
-            if arr.shape[0] != len(raw) or not _shape_matches(arr.shape[1:], dims):
+        if len(row) != len(names):
+            return None  # an optional input left out, or a key the model does not have: the row decides
+        for name in names:
+            if name not in row:
                 return None
-            batch[tensor.name] = arr
-    except UsageError:
-        return None
-    return batch
+            columns[name].append(row[name])
+    return columns
 
 
-def _pack(raw: list[tuple[int, Any]], spec: ModelSpec) -> list[_Chunk]:
-    fast = _fast_batch(raw, spec)
-    if fast is not None:
-        return [_Chunk([(index, None, row) for index, row in raw], [index for index, _ in raw], fast)]
-    # Row by row: refused rows get their own error; good rows are grouped by shape, in order.
-    chunks: list[_Chunk] = []
-    entries: list[tuple[int, Exception | None, Any]] = []
-    good: list[tuple[int, Arrays]] = []
+def _prepare(chunk: _Chunk, spec: ModelSpec, literal: bool = False) -> _Unit:
+    """Check a chunk against the model: as one batch when it can be, row by row only when a row is refused.
+
+    Either way the outcome is what checking each row alone gives (the one validator, ``validate_row`` and
+    ``validate_batch``, applies the same rules); the batch check costs one conversion per input instead of one per
+    row, which is what keeps a job of many small rows off the Python interpreter. ``literal``: the rows come from
+    a file whose numbers convert as Python numbers do (see ``validate_row``).
+    """
+    columns = _as_columns(chunk, spec)
+    if columns is not None:
+        try:
+            batch = validate_batch(spec, columns, rows=True, literal=literal)
+        except UsageError:
+            pass
+        else:
+            if all(arr.shape[0] == chunk.length for arr in batch.values()):
+                return _Unit(chunk, [(range(chunk.length), batch)], {})
+    parts: list[tuple[Sequence[int], Arrays]] = []
+    refused: dict[int, Exception] = {}
+    group: list[tuple[int, Arrays]] = []
     signature: object = None
 
     def flush() -> None:
-        batch = {name: np.stack([arrays[name] for _, arrays in good]) for name in good[0][1]} if good else None
-        chunks.append(_Chunk(list(entries), [index for index, _ in good], batch))
-        entries.clear()
-        good.clear()
+        stacked = {name: np.stack([arrays[name] for _, arrays in group]) for name in group[0][1]}
+        parts.append(([i for i, _ in group], stacked))
+        group.clear()
 
-    for index, row in raw:
+    for i in range(chunk.length):
+        row = chunk.row(i)
         if isinstance(row, BadRow):
-            entries.append((index, RowParseError(row.reason), None))
+            refused[i] = RowParseError(row.reason)
             continue
         try:
-            arrays = _row_arrays(row, spec)
+            arrays = validate_row(spec, row, literal=literal)
         except UsageError as err:
-            entries.append((index, err, row))
+            refused[i] = err
             continue
         sig = tuple((name, arr.shape) for name, arr in arrays.items())
-        if good and sig != signature:
+        if group and sig != signature:
             flush()
         signature = sig
-        good.append((index, arrays))
-        entries.append((index, None, row))
-    if entries:
+        group.append((i, arrays))
+    if group:
         flush()
-    return chunks
+    return _Unit(chunk, parts, refused)
 
 
-async def _chunks(
-    rows: Iterable[Any] | AsyncIterable[Any], spec: ModelSpec, batch_size: int, start: int
-) -> AsyncIterator[_Chunk]:
-    raw: list[tuple[int, Any]] = []
+async def _row_chunks(rows: Iterable[Any] | AsyncIterable[Any], size: int, start: int) -> AsyncIterator[_Chunk]:
+    """Rows from an iterable, ``size`` at a time."""
     index = start
-    source: AsyncIterator[Any] | None = aiter(rows) if isinstance(rows, AsyncIterable) else None
-    iterator = None if source is not None else iter(rows)  # type: ignore[arg-type]
-    try:
-        while True:
-            if source is not None:
-                try:
-                    row = await anext(source)
-                except StopAsyncIteration:
-                    break
+    buffer: list[Any] = []
+    async for row in aiter_any(rows):
+        buffer.append(row)
+        if len(buffer) >= size:
+            yield _MemoryChunk(index, len(buffer), rows=buffer)
+            index += len(buffer)
+            buffer = []
+    if buffer:
+        yield _MemoryChunk(index, len(buffer), rows=buffer)
+
+
+def _batch_length(batch: Mapping[str, Any]) -> int:
+    lengths = {name: len(column) for name, column in batch.items()}
+    if len(set(lengths.values())) > 1:
+        told = ", ".join(f"{name}={n}" for name, n in lengths.items())
+        raise UsageError(f"the columns of a batch differ in length ({told}): give every input a value per row")
+    return next(iter(lengths.values()), 0)
+
+
+async def _column_chunks(
+    batches: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]], size: int, start: int
+) -> AsyncIterator[_Chunk]:
+    """A caller's column batches, sliced into chunks of at most ``size`` rows (a chunk never spans two batches)."""
+    index = start
+
+    def sliced(batch: Mapping[str, Any]) -> Iterator[_Chunk]:
+        nonlocal index
+        if not isinstance(batch, Mapping):
+            raise UsageError(
+                f"a batch is a mapping from input name to a column of values, not a {type(batch).__name__}"
+            )
+        n = _batch_length(batch)
+        for lo in range(0, n, size):
+            hi = min(lo + size, n)
+            yield _MemoryChunk(index, hi - lo, columns={name: column[lo:hi] for name, column in batch.items()})
+            index += hi - lo
+
+    async for batch in aiter_any(batches):
+        for chunk in sliced(batch):
+            yield chunk
+
+
+async def _file_chunks(reader: RowSource, size: int) -> AsyncIterator[_Chunk]:
+    for chunk in reader.chunks(size):
+        yield chunk
+
+
+# -- results ------------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ScoredBatch:
+    """Consecutive rows ``start .. start+length-1`` scored: runs of good rows with their outputs, and the failures.
+
+    ``runs``: (index of the run's first row, outputs with the batch dim first) for each run of consecutive good
+    rows, in order. ``errors``: (row index, the typed error, the row as given) for each row that failed, in order.
+    Together they cover every row of the range exactly once. :meth:`rows` gives the same as :class:`ScoredRow`\\ s.
+    """
+
+    start: int
+    length: int
+    runs: tuple[tuple[int, Mapping[str, npt.NDArray[Any]]], ...]
+    errors: tuple[tuple[int, Exception, Any], ...] = attrs.field(eq=False)
+
+    @property
+    def rows_ok(self) -> int:
+        return self.length - len(self.errors)
+
+    @property
+    def rows_failed(self) -> int:
+        return len(self.errors)
+
+    def events(self) -> list[tuple[int, Mapping[str, npt.NDArray[Any]] | None, Exception | None, Any]]:
+        """(index, outputs of a run, None, None) and (index, None, error, row) in index order."""
+        merged: list[tuple[int, Mapping[str, npt.NDArray[Any]] | None, Exception | None, Any]] = [
+            (index, outputs, None, None) for index, outputs in self.runs
+        ]
+        if self.errors:
+            merged += [(index, None, error, row) for index, error, row in self.errors]
+            merged.sort(key=lambda event: event[0])
+        return merged
+
+    def rows(self) -> Iterator[ScoredRow]:
+        """One :class:`ScoredRow` per row, in order."""
+        for index, outputs, error, row in self.events():
+            if outputs is None:
+                assert error is not None
+                yield ScoredRow(index, None, error, row)
+                continue
+            n = len(next(iter(outputs.values()))) if outputs else 0
+            for i in range(n):
+                yield ScoredRow(index + i, {name: out[i] for name, out in outputs.items()}, None)
+
+
+def _runs(positions: Sequence[int], outputs: Mapping[str, npt.NDArray[Any]]) -> Iterator[tuple[int, Arrays]]:
+    """Split a request's outputs where its rows are not consecutive (rows refused between them)."""
+    if isinstance(positions, range) or positions[-1] - positions[0] == len(positions) - 1:
+        yield positions[0], dict(outputs)
+        return
+    lo = 0
+    for hi in range(1, len(positions) + 1):
+        if hi == len(positions) or positions[hi] != positions[hi - 1] + 1:
+            yield positions[lo], {name: out[lo:hi] for name, out in outputs.items()}
+            lo = hi
+
+
+Outcome: TypeAlias = list[tuple[Sequence[int], "Mapping[str, npt.NDArray[Any]] | Exception"]]
+
+
+def _scored(unit: _Unit, outcome: Outcome | Exception) -> ScoredBatch:
+    chunk = unit.chunk
+    start = chunk.start
+    failed: dict[int, Exception] = dict(unit.refused)
+    runs: list[tuple[int, Mapping[str, npt.NDArray[Any]]]] = []
+    if isinstance(outcome, Exception):  # not expected: send() isolates per row
+        for positions, _ in unit.parts:
+            failed.update((i, outcome) for i in positions)
+    else:
+        for positions, got in outcome:
+            if isinstance(got, Exception):
+                failed.update((i, got) for i in positions)
             else:
-                assert iterator is not None
-                try:
-                    row = next(iterator)
-                except StopIteration:
-                    break
-            raw.append((index, row))
-            index += 1
-            if len(raw) >= batch_size:
-                for chunk in _pack(raw, spec):
-                    yield chunk
-                raw = []
-        if raw:
-            for chunk in _pack(raw, spec):
-                yield chunk
-    finally:
-        close = getattr(source, "aclose", None)
-        if close is not None:
-            await close()
+                runs.extend((start + first, outs) for first, outs in _runs(positions, got))
+    runs.sort(key=lambda run: run[0])
+
+    def given(i: int) -> Any:
+        row = chunk.row(i)
+        return None if isinstance(row, BadRow) else row
+
+    errors = tuple((start + i, failed[i], given(i)) for i in sorted(failed))
+    return ScoredBatch(start, chunk.length, tuple(runs), errors)
 
 
 # -- sending, with retries and isolation ----------------------------------------------------------------------------
@@ -311,29 +399,39 @@ class _Sender:
     patience_s: float
     pool: Any = None  # a SharedMemoryPool when shared memory is on
 
-    async def send(self, indices: list[int], batch: Arrays) -> dict[int, Mapping[str, npt.NDArray[Any]] | Exception]:
-        """Each row's outputs or error; isolates the rows that fail alone by halving."""
+    async def send(self, positions: Sequence[int], batch: Arrays) -> Outcome:
+        """The outputs of the rows at ``positions``, or the error of each part that failed alone (by halving)."""
         try:
             result = await self._send_transient(batch)
         except JobAborted:
             raise
         except Exception as err:
-            if len(indices) == 1:
-                return {indices[0]: err}
-            mid = len(indices) // 2
-            first = await self.send(indices[:mid], {name: arr[:mid] for name, arr in batch.items()})
-            return first | await self.send(indices[mid:], {name: arr[mid:] for name, arr in batch.items()})
-        outs = {name: result[name] for name in result}
-        return {index: {name: out[i] for name, out in outs.items()} for i, index in enumerate(indices)}
+            if len(positions) == 1:
+                return [(positions, err)]
+            mid = len(positions) // 2
+            first = await self.send(positions[:mid], {name: arr[:mid] for name, arr in batch.items()})
+            return first + await self.send(positions[mid:], {name: arr[mid:] for name, arr in batch.items()})
+        return [(positions, {name: result[name] for name in result})]
+
+    async def send_unit(self, unit: _Unit) -> Outcome:
+        outcome: Outcome = []
+        for positions, batch in unit.parts:
+            outcome += await self.send(positions, batch)
+        return outcome
 
     async def _send_transient(self, batch: Arrays) -> InferResult:
         first_failure: float | None = None
         delay = 0.1
+        request: InferRequest | None = None
         while True:
             try:
                 if self.pool is not None:
                     return await self.pool.infer_batch(batch, outputs=self.outputs)  # type: ignore[no-any-return]
-                return await self.model.infer_batch(batch, outputs=self.outputs, timeout_s=self.timeout_s)
+                # Sent as built: the job chose its batch shape (batch_size), so no coalescing behind its back;
+                # the request is encoded once and reused by the transient retries.
+                if request is None:
+                    request = self.model.batch_request(batch, outputs=self.outputs)
+                return await self.model.infer_request(request, timeout_s=self.timeout_s, coalesce=False)
             except Exception as err:
                 if not _transient(err):
                     raise
@@ -351,25 +449,8 @@ class _Sender:
                 delay = min(delay * 2, 2.0)
 
 
-async def score_rows(
-    model: Model,
-    rows: Iterable[Any] | AsyncIterable[Any],
-    *,
-    concurrency: int = 4,
-    batch_size: int | None = None,
-    outputs: Sequence[str] | None = None,
-    start: int = 0,
-    shared_memory: bool = False,
-    timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
-    patience_s: float = 120.0,
-) -> AsyncIterator[ScoredRow]:
-    """Score ``rows`` on a stateless batched ``model``: one :class:`ScoredRow` per row, in input order.
-
-    A row is a mapping from input name to one sample's value, or a bare value for a one-input model. ``start`` is
-    the index given to the first row (a resumed job). See the module docstring for packing, retries and
-    isolation; :class:`JobAborted` ends the iteration when the server stays unreachable past ``patience_s``.
-    Leaving the loop early cancels the requests in flight.
-    """
+def _job_size(model: Model, batch_size: int | None, concurrency: int, outputs: Sequence[str] | None) -> int:
+    """The rows per request; refuses a model or options a scoring job cannot use."""
     spec = model.spec
     if spec.sequence is not None or spec.decoupled:
         raise UsageError(
@@ -386,45 +467,133 @@ async def score_rows(
                          model=spec.name)
     if concurrency < 1:
         raise UsageError(f"concurrency must be >= 1, got {concurrency}")
-    if outputs is not None:
-        for name in outputs:
-            if spec.output(name) is None:
-                from .._errors import UnknownOutputError
+    for name in outputs or ():
+        if spec.output(name) is None:
+            raise UnknownOutputError(
+                f"model {spec.name!r} has no output {name!r} (it has {', '.join(t.name for t in spec.outputs)})",
+                model=spec.name,
+            )
+    return size
 
-                raise UnknownOutputError(
-                    f"model {spec.name!r} has no output {name!r} (it has {', '.join(t.name for t in spec.outputs)})",
-                    model=spec.name,
-                )
+
+async def _score_chunks(
+    model: Model,
+    chunks: AsyncIterator[_Chunk],
+    *,
+    concurrency: int,
+    outputs: Sequence[str] | None,
+    shared_memory: bool,
+    timeout_s: float | UseClientDefault | None,
+    patience_s: float,
+    literal: bool = False,
+) -> AsyncIterator[ScoredBatch]:
+    """The engine under score(), score_rows() and score_batches(): chunks in, scored batches out, in order."""
+    spec = model.spec
     pool = None
     if shared_memory:
-        from .._client._shm import SharedMemoryPool
+        from .._client import SharedMemoryPool
 
         pool = await SharedMemoryPool.open(model, slots=concurrency)
     sender = _Sender(model, outputs, timeout_s, patience_s, pool)
 
-    async def run(chunk: _Chunk) -> dict[int, Mapping[str, npt.NDArray[Any]] | Exception]:
-        return await sender.send(chunk.good, chunk.batch) if chunk.batch is not None else {}
+    async def units() -> AsyncIterator[_Unit]:
+        try:
+            async for chunk in chunks:
+                yield _prepare(chunk, spec, literal)
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
 
     try:
         # A window of 4x the requests in flight: a slow request at the head does not idle the other slots.
-        chunks = _chunks(rows, spec, size, start)
-        async for chunk, outcome in ordered_map(chunks, run, concurrency=concurrency, window=4 * concurrency):
+        async for unit, outcome in ordered_map(units(), sender.send_unit, concurrency=concurrency,
+                                               window=4 * concurrency):
             if isinstance(outcome, JobAborted):
                 raise outcome
-            for index, refused, row in chunk.entries:
-                if refused is not None:
-                    yield ScoredRow(index, None, refused, row)
-                elif isinstance(outcome, Exception):
-                    yield ScoredRow(index, None, outcome, row)  # not expected: send() isolates per row
-                else:
-                    got = outcome[index]
-                    if isinstance(got, Exception):
-                        yield ScoredRow(index, None, got, row)
-                    else:
-                        yield ScoredRow(index, got, None)
+            yield _scored(unit, outcome)
     finally:
         if pool is not None:
             await pool.aclose()
+
+
+class ScoreOptions(TypedDict, total=False):
+    """The options of :func:`score_rows` and :func:`score_batches` (see score_rows for each)."""
+
+    concurrency: int
+    batch_size: int | None
+    outputs: Sequence[str] | None
+    shared_memory: bool
+    timeout_s: float | UseClientDefault | None
+    patience_s: float
+
+
+@attrs.frozen(kw_only=True)
+class _Options:
+    """:class:`ScoreOptions` with their defaults, and what the engine needs from them."""
+
+    concurrency: int = 4
+    batch_size: int | None = None
+    outputs: Sequence[str] | None = None
+    shared_memory: bool = False
+    timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT
+    patience_s: float = 120.0
+
+    def run(self, model: Model, chunks: AsyncIterator[_Chunk]) -> AsyncIterator[ScoredBatch]:
+        return _score_chunks(
+            model, chunks, concurrency=self.concurrency, outputs=self.outputs, shared_memory=self.shared_memory,
+            timeout_s=self.timeout_s, patience_s=self.patience_s,
+        )
+
+    def size(self, model: Model) -> int:
+        return _job_size(model, self.batch_size, self.concurrency, self.outputs)
+
+
+async def score_rows(
+    model: Model, rows: Iterable[Any] | AsyncIterable[Any], *, start: int = 0, **options: Unpack[ScoreOptions]
+) -> AsyncIterator[ScoredRow]:
+    """Score ``rows`` on a stateless batched ``model``: one :class:`ScoredRow` per row, in input order.
+
+    A row is a mapping from input name to one sample's value, or a bare value for a one-input model. ``start`` is
+    the index given to the first row (a resumed job). Options: ``concurrency`` (requests in flight, default 4),
+    ``batch_size`` (rows per request, default the model's ``max_batch_size``), ``outputs`` (the outputs to
+    return, default all), ``shared_memory`` (send through system shared memory), ``timeout_s`` (per request),
+    ``patience_s`` (how long a transient failure is retried, default 120). See the module docstring for packing,
+    retries and isolation; :class:`JobAborted` ends the iteration when the server stays unreachable past
+    ``patience_s``. Leaving the loop early cancels the requests in flight. For speed, :func:`score_batches` takes
+    columns.
+    """
+    opts = _Options(**options)
+    scored = opts.run(model, _row_chunks(rows, opts.size(model), start))
+    try:
+        async for batch in scored:
+            for row in batch.rows():
+                yield row
+    finally:
+        await scored.aclose()  # type: ignore[attr-defined]
+
+
+async def score_batches(
+    model: Model,
+    batches: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]],
+    *,
+    start: int = 0,
+    **options: Unpack[ScoreOptions],
+) -> AsyncIterator[ScoredBatch]:
+    """Score column batches on a stateless batched ``model``: the fast path of :func:`score_rows`.
+
+    A batch is a mapping from input name to a column (a numpy array, or a sequence) with one value per row; the
+    batches may be of any length and are sliced into requests of ``batch_size`` rows (a request never spans two
+    batches). Yields one :class:`ScoredBatch` per request, in order, with rows numbered from ``start``. A column
+    that checks as a whole is sent without touching its rows one by one; a batch with a bad row is checked row by
+    row, and only the bad rows fail. Options, retries, isolation and :class:`JobAborted` are those of
+    :func:`score_rows`.
+    """
+    opts = _Options(**options)
+    scored = opts.run(model, _column_chunks(batches, opts.size(model), start))
+    try:
+        async for batch in scored:
+            yield batch
+    finally:
+        await scored.aclose()  # type: ignore[attr-defined]
 
 
 # -- the job: source -> model -> resumable output -----------------------------------------------------------------
@@ -487,6 +656,7 @@ async def score(
     CSV or text input is an error row, never read whole.
     """
     spec = model.spec
+    size = _job_size(model, batch_size, concurrency, outputs)  # before any file is opened
     in_memory = not isinstance(source, str | os.PathLike)
     plan = plan_job(
         None if in_memory else source,  # type: ignore[arg-type]
@@ -516,14 +686,14 @@ async def score(
             elapsed_s=time.monotonic() - started, complete=True, job_rows_ok=writer.rows_written,
             job_rows_failed=writer.errors_written,
         )
-    rows: Iterable[Any] | AsyncIterable[Any]
+    chunks: AsyncIterator[_Chunk]
     total: int | None
     if reader is not None:
         reader.start = done
-        rows, total = reader, reader.total
+        chunks, total = _file_chunks(reader, size), reader.total
     else:
         assert not isinstance(source, str | os.PathLike)
-        rows = _skip(source, done)
+        chunks = _row_chunks(_skip(source, done), size, done)
         try:
             total = len(source)  # type: ignore[arg-type]
         except TypeError:
@@ -531,19 +701,29 @@ async def score(
     bar = Progress(total=total, done=done, enabled=progress)
     ok = failed = 0
     complete = False
+    scored = _score_chunks(
+        model, chunks, concurrency=concurrency, outputs=outputs, shared_memory=shared_memory, timeout_s=timeout_s,
+        patience_s=patience_s,
+        # Numbers in a JSONL, CSV or Parquet file are the file's, not a caller's typed array: a double column
+        # rounds into an FP32 input as a JSON number does. A .npy file is a typed array, and keeps numpy's rule.
+        literal=reader is not None and reader.format != "npy",
+    )
     try:
         last_commit = time.monotonic()
-        async for scored in score_rows(
-            model, rows, concurrency=concurrency, batch_size=batch_size, outputs=outputs, start=done,
-            shared_memory=shared_memory, timeout_s=timeout_s, patience_s=patience_s,
-        ):
-            if scored.outputs is not None:
-                writer.write(scored.index, scored.outputs)
-                ok += 1
+        async for batch in scored:
+            # A chunk at a time: a run of good rows is one write (one .npy slice, one Arrow batch, one JSONL block).
+            if not batch.errors:
+                for index, outs in batch.runs:
+                    writer.write_rows(index, outs)
             else:
-                assert scored.error is not None
-                writer.write_error(scored.index, scored.error, scored.input)
-                failed += 1
+                for index, run, error, row in batch.events():
+                    if run is not None:
+                        writer.write_rows(index, run)
+                    else:
+                        assert error is not None
+                        writer.write_error(index, error, row)
+            ok += batch.rows_ok
+            failed += batch.rows_failed
             bar.update(ok, failed)
             now = time.monotonic()
             if now - last_commit >= commit_every_s:
@@ -560,6 +740,7 @@ async def score(
             writer.abandon()
         raise
     finally:
+        await scored.aclose()  # type: ignore[attr-defined]
         bar.close()
     return ScoreSummary(
         output=output, errors=errors_path, rows_ok=ok, rows_failed=failed, resumed_from=done,

@@ -1,6 +1,20 @@
-"""The model layer: a model's signature (spec, from its config) and the typed builders that validate and encode."""
+"""The model layer: a model's signature (spec, from its config), the one validator, and the typed builders."""
 
 from ._build import InputsArg, Plans, build_request
 from ._spec import ControlInput, ModelSpec, SequenceSpec, TensorSpec
+from ._validate import Arrays, fmt_shape, shape_matches, validate_batch, validate_row
 
-__all__ = ["ControlInput", "InputsArg", "ModelSpec", "Plans", "SequenceSpec", "TensorSpec", "build_request"]
+__all__ = [
+    "Arrays",
+    "ControlInput",
+    "InputsArg",
+    "ModelSpec",
+    "Plans",
+    "SequenceSpec",
+    "TensorSpec",
+    "build_request",
+    "fmt_shape",
+    "shape_matches",
+    "validate_batch",
+    "validate_row",
+]

@@ -6,20 +6,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from .._errors import (
-    BatchSizeError,
-    DuplicateInputError,
-    InputShapeError,
-    MissingInputError,
-    UnknownInputError,
-    UnknownOutputError,
-    UsageError,
-)
-from .._wire import EncodedInput, InferRequest, coerce, to_wire
-from .._wire._dtypes import numpy_dtype
-from ._spec import ModelSpec, TensorSpec
+from .._errors import DuplicateInputError, UnknownOutputError, UsageError
+from .._wire import EncodedInput, InferRequest, numpy_dtype, to_wire
+from ._spec import ModelSpec
+from ._validate import add_batch_dim, validate_batch, validate_row
 
 __all__ = ["InputsArg", "Plans", "build_request"]
 
@@ -124,14 +115,6 @@ def _plan_for(request: InferRequest, given: Mapping[str, object], spec: ModelSpe
     return _Plan(spec, batch, tuple(entries), request.outputs)
 
 
-def _shape_matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
-    return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims, strict=True))
-
-
-def _fmt(shape: Sequence[int]) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"
-
-
 def _merge_inputs(inputs: InputsArg, named: Mapping[str, object], model: str) -> dict[str, object]:
     merged: dict[str, object] = {}
     pairs: Iterable[tuple[str, object]]
@@ -152,53 +135,6 @@ def _merge_inputs(inputs: InputsArg, named: Mapping[str, object], model: str) ->
             raise DuplicateInputError(f"input {name!r} given more than once", input_name=name, model=model)
         merged[name] = value
     return merged
-
-
-def _check_shape(
-    arr: npt.NDArray[Any], tensor: TensorSpec, spec: ModelSpec, *, batch: bool
-) -> tuple[npt.NDArray[Any], int | None]:
-    """Return the array with its batch dim (added in sample form) and the batch size it carries."""
-    dims = tensor.dims
-    if batch:
-        if not spec.batched:
-            raise BatchSizeError(
-                f"input {tensor.name!r}: model {spec.name!r} has no batch dimension (max_batch_size 0); "
-                "use the sample form",
-                input_name=tensor.name,
-                model=spec.name,
-            )
-        if arr.ndim != len(dims) + 1:
-            raise BatchSizeError(
-                f"input {tensor.name!r}: batch form expects shape [batch]+{_fmt(dims)}, given {_fmt(arr.shape)}",
-                input_name=tensor.name,
-                model=spec.name,
-            )
-        size = arr.shape[0]
-        if not 1 <= size <= spec.max_batch_size:
-            raise BatchSizeError(
-                f"input {tensor.name!r}: batch size {size} outside [1, {spec.max_batch_size}] "
-                f"(model {spec.name!r} max_batch_size={spec.max_batch_size})",
-                input_name=tensor.name,
-                model=spec.name,
-            )
-        if not _shape_matches(arr.shape[1:], dims):
-            raise InputShapeError(
-                f"input {tensor.name!r}: expected shape [batch]+{_fmt(dims)}, given {_fmt(arr.shape)}",
-                input_name=tensor.name,
-                model=spec.name,
-            )
-        return arr, size
-    if arr.ndim == 0 and len(dims) == 1 and dims[0] in (1, -1):
-        arr = arr.reshape(1)  # a scalar for a one-element (or any-length) vector input
-    if not _shape_matches(arr.shape, dims):
-        raise InputShapeError(
-            f"input {tensor.name!r}: expected shape {_fmt(dims)}, given {_fmt(arr.shape)}",
-            input_name=tensor.name,
-            model=spec.name,
-        )
-    if spec.batched:
-        return arr[np.newaxis, ...], 1
-    return arr, None
 
 
 def build_request(
@@ -251,39 +187,19 @@ def _build_full(
     allow_lossy: bool,
 ) -> InferRequest:
     given = _merge_inputs(inputs, named or {}, spec.name)
-    for name in given:
-        if spec.input(name) is None:
-            known = ", ".join(t.name for t in spec.inputs)
-            raise UnknownInputError(
-                f"model {spec.name!r} has no input {name!r} (inputs: {known})", input_name=name, model=spec.name
-            )
-    encoded: list[EncodedInput] = []
-    batch_sizes: dict[str, int] = {}
-    for tensor in spec.inputs:
-        if tensor.name not in given:
-            if not tensor.optional:
-                raise MissingInputError(
-                    f"model {spec.name!r}: missing input {tensor.name!r} ({tensor.dtype}{_fmt(tensor.dims)})",
-                    input_name=tensor.name,
-                    model=spec.name,
-                )
-            continue
-        arr = coerce(given[tensor.name], tensor.dtype, allow_lossy=allow_lossy, name=tensor.name, model=spec.name)
-        arr, size = _check_shape(arr, tensor, spec, batch=batch)
-        if size is not None:
-            batch_sizes[tensor.name] = size
-        encoded.append(
-            EncodedInput(
-                name=tensor.name, dtype=tensor.dtype, shape=tuple(arr.shape), data=to_wire(arr, tensor.dtype), array=arr
-            )
-        )
-    if len(set(batch_sizes.values())) > 1:
-        sizes = ", ".join(f"{n}={s}" for n, s in batch_sizes.items())
-        raise BatchSizeError(
-            f"model {spec.name!r}: inputs disagree on the batch size ({sizes})",
-            input_name=next(iter(batch_sizes)),
-            model=spec.name,
-        )
+    if batch:
+        arrays = validate_batch(spec, given, allow_lossy=allow_lossy)
+        size = next(iter(arrays.values())).shape[0] if arrays else None
+    else:
+        arrays = add_batch_dim(spec, validate_row(spec, given, allow_lossy=allow_lossy))
+        size = 1 if spec.batched and arrays else None
+    encoded = []
+    for tensor in spec.inputs:  # in the model's order, as the plan (_plan_for) reproduces it
+        if tensor.name in arrays:
+            arr = arrays[tensor.name]
+            data = to_wire(arr, tensor.dtype)
+            encoded.append(EncodedInput(name=tensor.name, dtype=tensor.dtype, shape=tuple(arr.shape), data=data,
+                                        array=arr))
     wanted: tuple[str, ...] = ()
     if outputs is not None:
         for out in outputs:
@@ -298,5 +214,5 @@ def _build_full(
         version=spec.version or "",
         inputs=tuple(encoded),
         outputs=wanted,
-        batch_size=next(iter(batch_sizes.values()), None),
+        batch_size=size,
     )

@@ -218,18 +218,20 @@ def coerce(
     triton_dtype: str,
     *,
     allow_lossy: bool = False,
+    literal: bool = False,
     name: str | None = None,
     model: str | None = None,
 ) -> npt.NDArray[Any]:
     """Convert ``value`` to the numpy representation of ``triton_dtype``, by the rules in the module docstring.
 
     Raises :class:`InputDtypeError` (naming ``name``, the expected and the given dtype) when the cast
-    could lose information and ``allow_lossy`` is false.
+    could lose information and ``allow_lossy`` is false. ``literal``: the values are numbers as a file wrote
+    them (a Parquet column read as an array), so they follow the rules of Python values, not of numpy arrays.
     """
     if triton_dtype == "BYTES":
         return _bytes_array(value, name, model)
     target = numpy_dtype(triton_dtype)
-    python_value = _is_python_value(value)
+    python_value = literal or _is_python_value(value)
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError) as err:  # ragged lists

@@ -206,7 +206,7 @@ async def _main(ns: argparse.Namespace) -> int:
 
 
 def _exit_code(err: TritonError) -> int:
-    from .._jobs._safety import (
+    from .._errors import (
         CheckpointFilesMismatch,
         CheckpointMismatch,
         InputFileError,
