@@ -57,10 +57,16 @@ class NpySource(RowSource):
             index += len(block)
 
     def _chunks(self, size: int) -> Iterator[ColumnChunk]:
+        # About a MiB per read, handed out as views of `size` rows: a read per chunk would cost a system call per
+        # request, which is a measurable share of a job of small rows.
+        row_bytes = max(1, self.dtype.itemsize * math.prod(self.shape[1:]))
+        per_read = size * max(1, (1 << 20) // (row_bytes * size))
         index = self.start
-        for block in self._blocks(size):
-            yield self._values_chunk(index, block)
-            index += len(block)
+        for block in self._blocks(per_read):
+            for lo in range(0, len(block), size):
+                part = block[lo : lo + size]
+                yield self._values_chunk(index, part)
+                index += len(part)
 
     def _blocks(self, rows: int) -> Iterator[npt.NDArray[Any]]:
         """The array from ``start`` on, ``rows`` rows at a time (the last block may be shorter)."""
