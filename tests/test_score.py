@@ -29,7 +29,6 @@ from triton_npu_client import (
     MissingInputError,
     RowParseError,
     ScoredRow,
-    UnknownInputError,
     UsageError,
     score,
     score_rows,
@@ -86,7 +85,7 @@ async def test_bad_rows_become_typed_errors_and_the_rest_go_on(triton_server: Lo
         rows: list[object] = [dict(r) for r in probe_rows(40)]
         rows[3] = {"X": ["a", "b"]}  # BYTES given to an FP32 input
         rows[7] = {"X": [1.0, 2.0, 3.0]}  # 3 values for dims [2]
-        rows[11] = {"Y": [1.0, 0.0]}  # a name the model does not have (infer() refuses it so too)
+        rows[11] = {"Y": [1.0, 0.0]}  # no X (a key that is not an input is a record's own field, left behind)
         rows[12] = {}  # no X
         rows[17] = BadRow("line 18: Expecting value")  # a line the reader could not parse
         rows[23] = {"X": [-5.0, 0.0]}  # the model refuses it: its whole request fails, then isolation finds it
@@ -100,8 +99,8 @@ async def test_bad_rows_become_typed_errors_and_the_rest_go_on(triton_server: Lo
     assert isinstance(errors[7], InputShapeError)
     assert "[2]" in str(errors[7])
     assert "[3]" in str(errors[7])
-    assert isinstance(errors[11], UnknownInputError)
-    assert errors[11].input_name == "Y"
+    assert isinstance(errors[11], MissingInputError)
+    assert errors[11].input_name == "X"
     assert isinstance(errors[12], MissingInputError)
     assert errors[12].input_name == "X"
     assert isinstance(errors[17], RowParseError)

@@ -139,3 +139,17 @@ def test_validate_batch_reads_a_column_of_scalars_only_when_told_it_holds_rows(t
     with pytest.raises(BatchSizeError, match=r"batch size 9 outside \[1, 8\]"):
         validate_batch(spec, {"A": np.zeros((9, 1), np.float32)})
     assert validate_row(spec, 3.0)["A"].shape == (1,)
+
+
+async def test_a_record_s_other_fields_are_left_behind(triton_server: LocalTriton) -> None:
+    """Rows that carry fields of their own (an id) score as their inputs alone, on the columnar path and on the
+    row-by-row path a bad neighbour forces; the errors file keeps the bad row whole."""
+    rows: list[dict[str, object]] = [{"id": f"r{i}", "X": [float(i), 0.0]} for i in range(12)]
+    rows[9] = {"id": "r9", "X": [9.0]}  # the chunk of rows 8..11 goes row by row
+    async with Client(triton_server.grpc_url, timeout_s=60) as client:
+        model = await client.model("score_probe")
+        out = [r async for r in score_rows(model, rows, batch_size=4)]
+    assert [r.ok for r in out] == [i != 9 for i in range(12)]
+    assert [float(r.outputs["Y"][0]) for r in out if r.outputs is not None] == [3.0 * i for i in range(12) if i != 9]
+    assert isinstance(out[9].error, InputShapeError)
+    assert out[9].input == {"id": "r9", "X": [9.0]}

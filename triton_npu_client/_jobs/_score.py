@@ -190,9 +190,7 @@ def _as_columns(chunk: _Chunk, spec: ModelSpec) -> Mapping[str, Any] | None:
                 return None
             columns[names[0]].append(row)
             continue
-        if len(row) != len(names):
-            return None  # an optional input left out, or a key the model does not have: the row decides
-        for name in names:
+        for name in names:  # keys that are not inputs (an id, say) are left behind, as a file reader leaves them
             if name not in row:
                 return None
             columns[name].append(row[name])
@@ -218,6 +216,7 @@ def _prepare(chunk: _Chunk, spec: ModelSpec, literal: bool = False) -> _Unit:
                 return _Unit(chunk, [(range(chunk.length), batch)], {})
     parts: list[tuple[Sequence[int], Arrays]] = []
     refused: dict[int, Exception] = {}
+    inputs = {t.name for t in spec.inputs}
     group: list[tuple[int, Arrays]] = []
     signature: object = None
 
@@ -231,6 +230,8 @@ def _prepare(chunk: _Chunk, spec: ModelSpec, literal: bool = False) -> _Unit:
         if isinstance(row, BadRow):
             refused[i] = RowParseError(row.reason)
             continue
+        if isinstance(row, Mapping) and not all(name in inputs for name in row):
+            row = {name: value for name, value in row.items() if name in inputs}  # a record's other fields
         try:
             arrays = validate_row(spec, row, literal=literal)
         except UsageError as err:
