@@ -1,7 +1,7 @@
 """Scoring jobs measured side by side in one run: score() now and before, against perf_analyzer; memory; shm.
 
     python bench/score.py                 # the full run (~15 min on 2 cores)
-    python bench/score.py --quick         # a smoke run of every section (tests use it)
+    python bench/score.py --quick         # a smoke run of every section (tests use it; no "before" unless asked)
     python bench/score.py --before REF    # "before" is the package at git REF (default: the last commit before
                                           # the columnar path); --before none leaves it out
 
@@ -333,6 +333,8 @@ def main() -> int:
     if ns.quick:
         ns.rounds, ns.concurrency, ns.rows_minilm, ns.rows_scale, ns.naive_rows = 1, [2], 64, 2000, 20
         ns.batch = ns.batch[:1]
+        if ns.before == BEFORE:
+            ns.before = "none"  # a smoke run of the sections; the comparison is the full run's job
         ns.interval_ms, ns.rss_rows, ns.shm_rows, ns.shm_batches = 500, [100, 1000], 8, [4]
     pa = ensure_perf_analyzer()
     load = sorted({*ns.models, "scale_fp32"})

@@ -154,8 +154,9 @@ def test_score_bench_quick() -> None:
     proc = _run(["bench/score.py", "--quick", "--models", "scale_fp32"], timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    row = re.search(r"^\| scale_fp32 \| 2,000 \| ([\d,]+) \(2\) \| ([\d,]+) \| \*\*([\d.]+)x\*\*", out, re.M)
+    row = re.search(r"^\| scale_fp32 \| 64 \| 2,000 \| ([\d,]+) \(2\) \| ([\d,]+) \| \*\*([\d.]+)x\*\*", out, re.M)
     assert row is not None, out
     assert all(float(v.replace(",", "")) > 0 for v in row.groups())
-    assert re.search(r"^\| [\d.]+ MiB \| [\d.]+ MiB \| \*\*[\d.]+x\*\* \|$", out, re.M), out
+    for fmt in ("npy", "jsonl"):
+        assert re.search(rf"^\| \.{fmt} \| now \| [\d.]+ MiB \| [\d.]+ MiB \| \*\*[\d.]+x\*\* \|$", out, re.M), out
     assert re.search(r"^\| 4 \| [\d,.]+ \| [\d,.]+ \| [\d,]+ \| [\d,]+ \| \*\*[\d.]+x\*\* \|$", out, re.M), out

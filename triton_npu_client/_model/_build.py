@@ -10,7 +10,7 @@ import numpy as np
 from .._errors import DuplicateInputError, UnknownOutputError, UsageError
 from .._wire import EncodedInput, InferRequest, numpy_dtype, to_wire
 from ._spec import ModelSpec
-from ._validate import add_batch_dim, validate_batch, validate_row
+from ._validate import add_batch_dim, shape_matches, validate_batch, validate_row
 
 __all__ = ["InputsArg", "Plans", "build_request"]
 
@@ -51,15 +51,6 @@ Plans = dict[tuple[object, ...], _Plan]
 _MAX_PLANS = 64
 
 
-def _dims_match(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
-    if len(shape) != len(dims):
-        return False
-    for s, d in zip(shape, dims, strict=True):  # noqa: SIM110 - a plain loop is cheaper than all() per call
-        if d != s and d != -1:
-            return False
-    return True
-
-
 def _planned(plan: _Plan, given: Mapping[str, object]) -> InferRequest | None:
     """The request built by ``plan`` from ``given``, or None when a value does not fit it (take the full path)."""
     encoded = []
@@ -71,14 +62,14 @@ def _planned(plan: _Plan, given: Mapping[str, object]) -> InferRequest | None:
             return None
         shape = arr.shape
         if plan.batch:
-            if not shape or not _dims_match(shape[1:], dims):
+            if not shape or not shape_matches(shape[1:], dims):
                 return None
             n = shape[0]
             if not 1 <= n <= plan.max_batch or (size is not None and n != size):
                 return None
             size = n
         else:
-            if shape != dims and not _dims_match(shape, dims):
+            if shape != dims and not shape_matches(shape, dims):
                 return None
             if plan.batched:
                 shape = (1, *shape)

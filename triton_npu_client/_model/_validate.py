@@ -37,7 +37,12 @@ Arrays = dict[str, npt.NDArray[Any]]
 
 def shape_matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
     """``shape`` fits the config's ``dims`` (``-1`` matches any length)."""
-    return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims, strict=True))
+    if len(shape) != len(dims):
+        return False
+    for s, d in zip(shape, dims, strict=True):  # noqa: SIM110 - a plain loop is cheaper than all() per call
+        if d != s and d != -1:
+            return False
+    return True
 
 
 def fmt_shape(shape: Sequence[int]) -> str:
