@@ -15,6 +15,8 @@ Sections (each prints a table):
    - ``score_rows()``: the same rows already in memory, results dropped (the per-row interface, no file I/O);
    - NVIDIA's C++ ``perf_analyzer`` at each ``--concurrency`` (its best is the yardstick; goals: score() >= 0.9x on
      scale_fp32, >= 0.95x on minilm);
+   - the floor of any Python client: ``tritonclient.grpc.aio`` sending one prebuilt request over and over at the
+     same batch and concurrency (nothing read, checked or written);
    - a naive sequential ``tritonclient.grpc`` loop, one row per request.
    Two models: ``minilm`` (the real encoder ensemble; every row the same sentence, so every batch has the same
    shape), and ``scale_fp32`` (16 floats a row, almost no compute: the client's own cost shows).
@@ -186,6 +188,47 @@ def naive_loop(url: str, model: str, n: int) -> float:
         client.close()
 
 
+RAW_CHILD = """
+import asyncio, json, sys, time
+import numpy as np
+import tritonclient.grpc.aio as aio
+url, model, rows, batch, concurrency = sys.argv[1], sys.argv[2], *[int(v) for v in sys.argv[3:6]]
+SENTENCE = sys.argv[6]
+async def main():
+    client = aio.InferenceServerClient(url)
+    if model == "minilm":
+        inp = aio.InferInput("TEXT", [batch, 1], "BYTES")
+        inp.set_data_from_numpy(np.array([[SENTENCE.encode()]] * batch, dtype=object))
+    else:
+        inp = aio.InferInput("INPUT0", [batch, 16], "FP32")
+        inp.set_data_from_numpy(np.tile(np.arange(16, dtype=np.float32), (batch, 1)))
+    left = rows // batch
+    async def worker():
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await client.infer(model, [inp])
+    started = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    elapsed = time.perf_counter() - started
+    await client.close()
+    return {"rate": rows // batch * batch / elapsed}
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def raw_aio_loop(url: str, model: str, rows: int, *, batch: int, concurrency: int) -> float:
+    """The floor of a Python client: tritonclient's own aio client, one prebuilt request sent over and over at the
+    same batch and concurrency, nothing read, checked or written (a fresh process)."""
+    done = subprocess.run(
+        [sys.executable, "-c", RAW_CHILD, url, model, str(rows), str(batch), str(concurrency), SENTENCE],
+        capture_output=True, text=True, timeout=1200, check=False,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"raw aio child failed:\n{done.stderr[-2000:]}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["rate"])
+
+
 def throughput(
     pa: PerfAnalyzer, url: str, folder: Path, ns: argparse.Namespace, model: str, batch: int, before: Path | None
 ) -> dict[str, Any]:
@@ -205,10 +248,11 @@ def throughput(
     score_runs: list[float] = []
     before_runs: list[float] = []
     engine_runs: list[float] = []
+    raw_runs: list[float] = []
     in_memory = memory_rows(model, rows)
     for r in range(ns.rounds):
         # Rotate who goes first: a machine whose load drifts favours no contender.
-        order = ["pa", "score", "before", "engine"] if before is not None else ["pa", "score", "engine"]
+        order = ["pa", "score", "before", "engine", "raw"] if before is not None else ["pa", "score", "engine", "raw"]
         order = order[r % len(order):] + order[:r % len(order)]
         for which in order:
             if which == "pa":
@@ -218,17 +262,20 @@ def throughput(
                 score_runs.append(time_score(url, model, source, out, batch=batch, concurrency=best))
             elif which == "before":
                 before_runs.append(time_score(url, model, source, out, batch=batch, concurrency=best, tree=before))
+            elif which == "raw":
+                raw_runs.append(raw_aio_loop(url, model, rows, batch=batch, concurrency=best))
             else:
                 engine_runs.append(asyncio.run(time_score_rows(url, model, in_memory, batch=batch, concurrency=best)))
         was = f", score() before {before_runs[-1]:,.0f}" if before_runs else ""
         print(f"  {model} b={batch} round {r + 1}: perf_analyzer {pa_runs[-1]:,.0f}, score() {score_runs[-1]:,.0f}"
-              f"{was}, score_rows {engine_runs[-1]:,.0f} rows/s", flush=True)
+              f"{was}, score_rows {engine_runs[-1]:,.0f}, raw aio loop {raw_runs[-1]:,.0f} rows/s", flush=True)
     naive = naive_loop(url, model, ns.naive_rows)
     return {
         "model": model, "batch": batch, "best_c": best, "sweep": sweep, "pa": statistics.median(pa_runs),
         "score": statistics.median(score_runs), "engine": statistics.median(engine_runs), "naive": naive,
         "before": statistics.median(before_runs) if before_runs else None, "rows": rows,
         "pa_runs": pa_runs, "score_runs": score_runs, "before_runs": before_runs,
+        "raw": statistics.median(raw_runs), "raw_runs": raw_runs,
     }
 
 
@@ -352,14 +399,16 @@ def main() -> int:
     print(f"## Throughput (medians of {ns.rounds} alternating rounds; before = the package at {ns.before})")
     print()
     print("| model | batch | rows | perf_analyzer best (c) | score() now | **now / perf_analyzer** | score() before | "
-          "before / perf_analyzer | now / before | score_rows, in memory | naive loop |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "before / perf_analyzer | now / before | score_rows, in memory | raw aio loop | raw / perf_analyzer | "
+          "naive loop |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         was = r["before"]
         before_cells = (f"{was:,.0f} | {was / r['pa']:.2f}x | {r['score'] / was:.2f}x" if was else "- | - | -")
         print(
             f"| {r['model']} | {r['batch']} | {r['rows']:,} | {r['pa']:,.0f} ({r['best_c']}) | {r['score']:,.0f} | "
-            f"**{r['score'] / r['pa']:.2f}x** | {before_cells} | {r['engine']:,.0f} | {r['naive']:,.0f} |"
+            f"**{r['score'] / r['pa']:.2f}x** | {before_cells} | {r['engine']:,.0f} | {r['raw']:,.0f} | "
+            f"{r['raw'] / r['pa']:.2f}x | {r['naive']:,.0f} |"
         )
     print()
     for r in results:
@@ -367,7 +416,8 @@ def main() -> int:
               ", ".join(f"c={c} {v:,.0f}" for c, v in r["sweep"].items()) +
               "; per round: perf_analyzer " + ", ".join(f"{v:,.0f}" for v in r["pa_runs"]) +
               "; now " + ", ".join(f"{v:,.0f}" for v in r["score_runs"]) +
-              ("; before " + ", ".join(f"{v:,.0f}" for v in r["before_runs"]) if r["before_runs"] else ""))
+              ("; before " + ", ".join(f"{v:,.0f}" for v in r["before_runs"]) if r["before_runs"] else "") +
+              "; raw aio loop " + ", ".join(f"{v:,.0f}" for v in r["raw_runs"]))
     print()
     print("## Client peak RSS (VmHWM), score() of scale_fp32 rows, file to file, concurrency 4")
     print()
