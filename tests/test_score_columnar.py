@@ -98,6 +98,9 @@ async def test_columns_of_different_lengths_are_refused(triton_server: LocalTrit
         with pytest.raises(UsageError, match=r"differ in length \(IN_INT8=3, IN_FP32=2\)"):
             async for _ in score_batches(model, [batch]):
                 pass
+        with pytest.raises(UsageError, match=r"column 'IN_INT8' of a batch is a ndarray without a length"):
+            async for _ in score_batches(model, [{"IN_INT8": np.array(3, dtype=np.int8)}]):
+                pass
 
 
 BAD_VALUES = [

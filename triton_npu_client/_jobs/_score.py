@@ -262,7 +262,15 @@ async def _row_chunks(rows: Iterable[Any] | AsyncIterable[Any], size: int, start
 
 
 def _batch_length(batch: Mapping[str, Any]) -> int:
-    lengths = {name: len(column) for name, column in batch.items()}
+    lengths = {}
+    for name, column in batch.items():
+        try:
+            lengths[name] = len(column)
+        except TypeError:  # a scalar, a 0-d array: not a column of rows
+            raise UsageError(
+                f"column {name!r} of a batch is a {type(column).__name__} without a length: give a value per row "
+                "(an array whose first axis is the rows, or a list)"
+            ) from None
     if len(set(lengths.values())) > 1:
         told = ", ".join(f"{name}={n}" for name, n in lengths.items())
         raise UsageError(f"the columns of a batch differ in length ({told}): give every input a value per row")
