@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -308,7 +309,7 @@ def peak_rss_child(url: str, rows: int, folder: Path, suffix: str, tree: Path | 
 
 def memory_section(url: str, folder: Path, ns: argparse.Namespace, before: Path | None) -> list[dict[str, Any]]:
     table = []
-    for suffix in (".npy", ".jsonl"):
+    for suffix in ns.rss_formats:
         for label, tree in [("now", None), ("before", before)]:
             if label == "before" and tree is None:
                 continue
@@ -362,6 +363,7 @@ def shm_section(url: str, ns: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description="score() vs perf_analyzer vs a naive loop; memory; shared memory")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, one round")
+    parser.add_argument("--url", help="a running server that has the models (default: start one)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 32],
                         help="rows per request (score()'s default is the model's max_batch_size: 64 for both)")
@@ -376,6 +378,7 @@ def main() -> int:
     parser.add_argument("--shm-rows", type=int, default=240)
     parser.add_argument("--shm-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--models", nargs="+", default=["minilm", "scale_fp32"])
+    parser.add_argument("--rss-formats", nargs="+", default=[".npy", ".jsonl"])
     ns = parser.parse_args()
     if ns.quick:
         ns.rounds, ns.concurrency, ns.rows_minilm, ns.rows_scale, ns.naive_rows = 1, [2], 64, 2000, 20
@@ -383,18 +386,22 @@ def main() -> int:
         if ns.before == BEFORE:
             ns.before = "none"  # a smoke run of the sections; the comparison is the full run's job
         ns.interval_ms, ns.rss_rows, ns.shm_rows, ns.shm_batches = 500, [100, 1000], 8, [4]
+        ns.rss_formats = [".npy"]
     pa = ensure_perf_analyzer()
     load = sorted({*ns.models, "scale_fp32"})
-    with tempfile.TemporaryDirectory(prefix="triton-npu-bench-") as tmp, LocalTriton(
-        model_control_mode="explicit", load_models=load
-    ) as server:
-        folder = Path(tmp)
-        url = server.grpc_url.removeprefix("grpc://")
-        print(f"server {server.grpc_url}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}", flush=True)
+    with contextlib.ExitStack() as stack:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="triton-npu-bench-")))
+        if ns.url is None:
+            server = stack.enter_context(LocalTriton(model_control_mode="explicit", load_models=load))
+            grpc_url = server.grpc_url
+        else:
+            grpc_url = ns.url if "://" in ns.url else f"grpc://{ns.url}"
+        url = grpc_url.removeprefix("grpc://")
+        print(f"server {grpc_url}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}", flush=True)
         before = before_tree(ns.before, folder)
         results = [throughput(pa, url, folder, ns, model, batch, before) for batch in ns.batch for model in ns.models]
-        memory = memory_section(server.grpc_url, folder, ns, before)
-        shm = shm_section(server.grpc_url, ns)
+        memory = memory_section(grpc_url, folder, ns, before)
+        shm = shm_section(grpc_url, ns)
     print()
     print(f"## Throughput (medians of {ns.rounds} alternating rounds; before = the package at {ns.before})")
     print()

@@ -149,14 +149,15 @@ def test_chat_bench_quick(triton_server: LocalTriton) -> None:
     assert all(f > 0 for f in figures)
 
 
-def test_score_bench_quick() -> None:
+def test_score_bench_quick(triton_server: LocalTriton) -> None:
     """bench/score.py --quick prints its three tables with positive figures (numbers not asserted)."""
-    proc = _run(["bench/score.py", "--quick", "--models", "scale_fp32"], timeout_s=300)
+    args = ["bench/score.py", "--quick", "--models", "scale_fp32", "--url", triton_server.grpc_url]
+    proc = _run(args, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     row = re.search(r"^\| scale_fp32 \| 64 \| 2,000 \| ([\d,]+) \(2\) \| ([\d,]+) \| \*\*([\d.]+)x\*\*", out, re.M)
     assert row is not None, out
     assert all(float(v.replace(",", "")) > 0 for v in row.groups())
-    for fmt in ("npy", "jsonl"):
+    for fmt in ("npy",):
         assert re.search(rf"^\| \.{fmt} \| now \| [\d.]+ MiB \| [\d.]+ MiB \| \*\*[\d.]+x\*\* \|$", out, re.M), out
     assert re.search(r"^\| 4 \| [\d,.]+ \| [\d,.]+ \| [\d,]+ \| [\d,]+ \| \*\*[\d.]+x\*\* \|$", out, re.M), out
