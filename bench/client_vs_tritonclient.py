@@ -134,13 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--url", default=None, help="gRPC host:port of a running server (default: start one)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="(default 1 4 16 64 256)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="length of one run (default 3)")
+    parser.add_argument("--seconds", type=float, default=None, help="length of one run (default 3; --quick 1.0)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is shown (default 3)")
     parser.add_argument("--quick", action="store_true", help="smoke run: concurrency 1 and 4, short runs, 1 repeat")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     ns = parser.parse_args(argv)
     if ns.quick:
-        ns.seconds, ns.repeats = 1.0, 1
+        ns.repeats = 1
+    if ns.seconds is None:
+        ns.seconds = 1.0 if ns.quick else 3.0
     if ns.concurrency is None:
         ns.concurrency = [1, 4] if ns.quick else [1, 4, 16, 64, 256]
     rows = asyncio.run(bench(ns))

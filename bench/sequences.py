@@ -262,13 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", nargs="+", default=["seq_stats_oldest"], help="sequence-batched model(s)")
     parser.add_argument("--in-flight", type=int, nargs="+", default=None, help="sequences open at once (16 256)")
     parser.add_argument("--steps", type=int, default=20, help="steps per sequence (default 20)")
-    parser.add_argument("--seconds", type=float, default=4.0, help="length of one run (default 4)")
+    parser.add_argument("--seconds", type=float, default=None, help="length of one run (default 4; --quick 1.5)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is shown (default 3)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 in flight, short runs, 1 repeat")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     ns = parser.parse_args(argv)
     if ns.quick:
-        ns.seconds, ns.repeats = 1.5, 1
+        ns.repeats = 1
+    if ns.seconds is None:
+        ns.seconds = 1.5 if ns.quick else 4.0
     if ns.in_flight is None:
         ns.in_flight = [16] if ns.quick else [16, 256]
     rows = asyncio.run(bench(ns))

@@ -36,7 +36,7 @@ def test_client_vs_tritonclient_quick_on_its_own_server(tmp_path: Path) -> None:
 
     One concurrency (every contender's code path is the same at 1 and at 4; the suite's time is not)."""
     out = tmp_path / "rows.json"
-    args = ["bench/client_vs_tritonclient.py", "--quick", "--concurrency", "4", "--json", str(out)]
+    args = ["bench/client_vs_tritonclient.py", "--quick", "--concurrency", "4", "--seconds", "0.5", "--json", str(out)]
     proc = _run(args, timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -46,14 +46,15 @@ def test_client_vs_tritonclient_quick_on_its_own_server(tmp_path: Path) -> None:
     # The printed table has the same rows, and says how it was run.
     table_rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {PLAIN}")]
     assert len(table_rows) == 1
-    assert proc.stdout.startswith("python bench/client_vs_tritonclient.py --quick --concurrency 4")
+    assert proc.stdout.startswith("python bench/client_vs_tritonclient.py --quick --concurrency 4 --seconds 0.5")
 
 
 def test_sequences_quick(triton_server: LocalTriton, tmp_path: Path) -> None:
     """The sequence benchmark runs the plain loop, this client's sessions and perf_analyzer on seq_stats_oldest."""
     out = tmp_path / "rows.json"
     url = f"127.0.0.1:{triton_server.grpc_port}"
-    proc = _run(["bench/sequences.py", "--quick", "--url", url, "--json", str(out)], timeout_s=180)
+    args = ["bench/sequences.py", "--quick", "--seconds", "0.5", "--url", url, "--json", str(out)]
+    proc = _run(args, timeout_s=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     expected = {(c, 16) for c in (PLAIN, PERF_ANALYZER, *THIS_CLIENT_SESSIONS)}
