@@ -204,16 +204,44 @@ async def test_async_start_cancelled_never_blocks_the_loop(tmp_path: Path) -> No
             await _until(lambda: len(server.processes()) >= 2, 120, "the slow_load stub to start")
         finally:
             signal.signal(signal.SIGTERM, previous)
+        seen: set[str] = set()
+        watcher = asyncio.create_task(_watch_regions(server, seen))
         cancelled_at = time.monotonic()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         stopping_s = time.monotonic() - cancelled_at
+        watcher.cancel()
     assert stopping_s >= server.stop_grace_s  # it did wait the grace period before SIGKILL
     assert ticker.max_gap < MAX_LOOP_GAP_S, (ticker.max_gap, stopping_s)
     assert server.processes() == []
+    # Stubs come and go during the grace period (the auto-complete stub exits, the instance stub starts with a
+    # region of its own): a region first mapped then was left behind in /dev/shm before the launcher noted
+    # regions while it waited.
+    assert seen, "no backend region seen while the server stopped"
+    assert _still_in_shm(seen) == []
     assert server.log_path is not None
     assert not server.log_path.parent.exists()
+
+
+def _still_in_shm(names: set[str]) -> list[str]:
+    return sorted(name for name in names if os.path.exists(f"/dev/shm/{name}"))
+
+
+async def _watch_regions(server: tnc.LocalTriton, seen: set[str]) -> None:
+    """Add to ``seen`` every Python-backend region the server's processes map, until cancelled."""
+
+    def scan() -> None:
+        for pid in server.processes():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                    name = line.rsplit(None, 1)[-1].removeprefix("/dev/shm/")
+                    if name.startswith("triton_python_backend_shm_region_"):
+                        seen.add(name)
+
+    while True:
+        await asyncio.to_thread(scan)
+        await asyncio.sleep(0.02)
 
 
 async def test_async_stop_cancelled_kills_at_once_never_blocking_the_loop(tmp_path: Path) -> None:

@@ -586,6 +586,13 @@ class LocalTriton:
             return True
         return stubs_at_term and not self._stubs()
 
+    def _stopped_noting(self, stubs_at_term: bool) -> bool:
+        """:meth:`_stopped`, noting the regions mapped now first: while a server stops, stubs still come and go (an
+        auto-complete stub exits and the model's instance stub starts, with a region of its own), and a region
+        first mapped during the grace period would otherwise outlive the SIGKILL unrecorded."""
+        self._note_regions()
+        return self._stopped(stubs_at_term)
+
     def _send_term(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -629,7 +636,7 @@ class LocalTriton:
             stubs_at_term = self._ready and bool(self._stubs())
             self._send_term()
             deadline = self._grace_deadline()
-            while not self._stopped(stubs_at_term) and time.monotonic() < deadline:
+            while not self._stopped_noting(stubs_at_term) and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             self._finish(keep_log=keep_log)
@@ -643,7 +650,7 @@ class LocalTriton:
             self._send_term()
             await asyncio.to_thread(self._note_regions)  # while the group still lives to be read
             deadline = self._grace_deadline()
-            while time.monotonic() < deadline and not await asyncio.to_thread(self._stopped, stubs_at_term):
+            while time.monotonic() < deadline and not await asyncio.to_thread(self._stopped_noting, stubs_at_term):
                 await asyncio.sleep(0.05)
         finally:
             # SIGKILL now, on the loop's thread: it never blocks (no /proc scan), and it happens even
