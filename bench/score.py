@@ -126,7 +126,8 @@ async def main():
         summary = await score(handle, source, out, batch_size=batch, concurrency=concurrency, progress=False)
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     assert summary.rows_failed == 0 and summary.rows_ok > 0, summary
-    return {"rate": summary.rows_ok / elapsed, "cpu_s": cpu, "package": triton_npu_client.__file__}
+    requests = -(-summary.rows_ok // batch)
+    return {"rate": summary.rows_ok / elapsed, "cpu_us": cpu / requests * 1e6, "package": triton_npu_client.__file__}
 print(json.dumps(asyncio.run(main())))
 """
 
@@ -140,8 +141,9 @@ def child_env(tree: Path | None) -> dict[str, str]:
 
 
 def time_score(url: str, model: str, source: Path, out: Path, *, batch: int, concurrency: int,
-               tree: Path | None = None) -> float:
-    """score() file to file in a fresh process, with the package from ``tree``; rows/s."""
+               tree: Path | None = None) -> tuple[float, float]:
+    """score() file to file in a fresh process, with the package from ``tree``: rows/s, and the client's CPU time
+    (all its threads) per request in microseconds."""
     done = subprocess.run(
         [sys.executable, "-c", SCORE_CHILD, f"grpc://{url}", model, str(source), str(out), str(batch),
          str(concurrency)],
@@ -153,7 +155,7 @@ def time_score(url: str, model: str, source: Path, out: Path, *, batch: int, con
     expected = (tree or Path(__file__).resolve().parents[1]).resolve()
     if not Path(result["package"]).resolve().is_relative_to(expected):
         raise SystemExit(f"the child imported {result['package']}, not the package under {expected}")
-    return float(result["rate"])
+    return float(result["rate"]), float(result["cpu_us"])
 
 
 def before_tree(ref: str, folder: Path) -> Path | None:
@@ -209,16 +211,16 @@ async def main():
         while left > 0:
             left -= 1
             await client.infer(model, [inp])
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*[worker() for _ in range(concurrency)])
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     await client.close()
-    return {"rate": rows // batch * batch / elapsed}
+    return {"rate": rows // batch * batch / elapsed, "cpu_us": cpu / (rows // batch) * 1e6}
 print(json.dumps(asyncio.run(main())))
 """
 
 
-def raw_aio_loop(url: str, model: str, rows: int, *, batch: int, concurrency: int) -> float:
+def raw_aio_loop(url: str, model: str, rows: int, *, batch: int, concurrency: int) -> tuple[float, float]:
     """The floor of a Python client: tritonclient's own aio client, one prebuilt request sent over and over at the
     same batch and concurrency, nothing read, checked or written (a fresh process)."""
     done = subprocess.run(
@@ -227,7 +229,8 @@ def raw_aio_loop(url: str, model: str, rows: int, *, batch: int, concurrency: in
     )
     if done.returncode != 0:
         raise SystemExit(f"raw aio child failed:\n{done.stderr[-2000:]}")
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["rate"])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return float(result["rate"]), float(result["cpu_us"])
 
 
 def throughput(
@@ -250,6 +253,7 @@ def throughput(
     before_runs: list[float] = []
     engine_runs: list[float] = []
     raw_runs: list[float] = []
+    cpu: dict[str, list[float]] = {"score": [], "before": [], "raw": []}  # client CPU per request, microseconds
     in_memory = memory_rows(model, rows)
     for r in range(ns.rounds):
         # Rotate who goes first: a machine whose load drifts favours no contender.
@@ -260,11 +264,17 @@ def throughput(
                 result = run_perf_analyzer(pa, perf_args(model, url, batch, best, data, ns.interval_ms), timeout_s=600)
                 pa_runs.append(result.throughput_infer_s)
             elif which == "score":
-                score_runs.append(time_score(url, model, source, out, batch=batch, concurrency=best))
+                rate, cpu_us = time_score(url, model, source, out, batch=batch, concurrency=best)
+                score_runs.append(rate)
+                cpu["score"].append(cpu_us)
             elif which == "before":
-                before_runs.append(time_score(url, model, source, out, batch=batch, concurrency=best, tree=before))
+                rate, cpu_us = time_score(url, model, source, out, batch=batch, concurrency=best, tree=before)
+                before_runs.append(rate)
+                cpu["before"].append(cpu_us)
             elif which == "raw":
-                raw_runs.append(raw_aio_loop(url, model, rows, batch=batch, concurrency=best))
+                rate, cpu_us = raw_aio_loop(url, model, rows, batch=batch, concurrency=best)
+                raw_runs.append(rate)
+                cpu["raw"].append(cpu_us)
             else:
                 engine_runs.append(asyncio.run(time_score_rows(url, model, in_memory, batch=batch, concurrency=best)))
         was = f", score() before {before_runs[-1]:,.0f}" if before_runs else ""
@@ -277,6 +287,7 @@ def throughput(
         "before": statistics.median(before_runs) if before_runs else None, "rows": rows,
         "pa_runs": pa_runs, "score_runs": score_runs, "before_runs": before_runs,
         "raw": statistics.median(raw_runs), "raw_runs": raw_runs,
+        "cpu": {k: statistics.median(v) for k, v in cpu.items() if v},
     }
 
 
@@ -424,7 +435,9 @@ def main() -> int:
               "; per round: perf_analyzer " + ", ".join(f"{v:,.0f}" for v in r["pa_runs"]) +
               "; now " + ", ".join(f"{v:,.0f}" for v in r["score_runs"]) +
               ("; before " + ", ".join(f"{v:,.0f}" for v in r["before_runs"]) if r["before_runs"] else "") +
-              "; raw aio loop " + ", ".join(f"{v:,.0f}" for v in r["raw_runs"]))
+              "; raw aio loop " + ", ".join(f"{v:,.0f}" for v in r["raw_runs"]) +
+              "; client CPU per request (all threads, median): " +
+              ", ".join(f"{k} {v:,.0f} us" for k, v in r["cpu"].items()))
     print()
     print("## Client peak RSS (VmHWM), score() of scale_fp32 rows, file to file, concurrency 4")
     print()

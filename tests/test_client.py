@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+from _seams import CountingTransport
 
 from triton_npu_client import (
     BatchSizeError,
@@ -18,7 +19,6 @@ from triton_npu_client import (
     ClientClosedError,
     ConnectError,
     DuplicateInputError,
-    InferRequest,
     InputDtypeError,
     InputError,
     InputShapeError,
@@ -33,24 +33,11 @@ from triton_npu_client import (
     UnknownOutputError,
     UsageError,
 )
-from triton_npu_client._transport import GrpcTransport, Transport
+from triton_npu_client._transport import GrpcTransport
 
 REPO = Path(__file__).resolve().parent.parent / "server_models"
 
 
-class CountingTransport:
-    """The real transport, with a count of inference calls (a seam, not a fake: every call goes to the server)."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.infer_calls = 0
-
-    def call(self, request: InferRequest, **kw: Any) -> Any:
-        self.infer_calls += 1
-        return self.inner.call(request, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 @pytest.fixture(params=["grpc", "http"])

@@ -127,7 +127,7 @@ async def test_one_validator_for_infer_and_score(triton_server: LocalTriton, val
         assert str(error) == str(direct.value)
 
 
-def test_validate_batch_reads_a_column_of_scalars_only_when_told_it_holds_rows(triton_server: LocalTriton) -> None:
+def test_validate_batch_reads_a_column_of_scalars_only_when_told_it_holds_rows() -> None:
     """[n] for a dims [-1] input: n scalars in a job's column (the row rule), refused as a bare batch (ambiguous)."""
     from triton_npu_client import BatchSizeError, ModelSpec
 
@@ -152,6 +152,11 @@ async def test_a_record_s_other_fields_are_left_behind(triton_server: LocalTrito
     async with Client(triton_server.grpc_url, timeout_s=60) as client:
         model = await client.model("score_probe")
         out = [r async for r in score_rows(model, rows, batch_size=4)]
+        ids = np.array([f"r{i}" for i in range(8)], dtype=object)
+        column = np.array([[float(i), 0.0] for i in range(8)], dtype=np.float32)
+        parts = [p async for p in score_batches(model, [{"id": ids, "X": column}], batch_size=4)]
+    assert [(p.rows_ok, p.rows_failed) for p in parts] == [(4, 0), (4, 0)]
+    np.testing.assert_array_equal(np.concatenate([p.runs[0][1]["Y"] for p in parts])[:, 0], 3.0 * np.arange(8))
     assert [r.ok for r in out] == [i != 9 for i in range(12)]
     assert [float(r.outputs["Y"][0]) for r in out if r.outputs is not None] == [3.0 * i for i in range(12) if i != 9]
     assert isinstance(out[9].error, InputShapeError)

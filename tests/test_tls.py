@@ -20,10 +20,10 @@ import threading
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
+from _seams import CountingTransport
 from _tls_certs import NAMED_SERVER, Certs, make_certs
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -31,7 +31,6 @@ from tools.tls_proxy import TLSProxy
 from triton_npu_client import (
     Client,
     ConnectError,
-    InferRequest,
     LocalTriton,
     Model,
     ModelSpec,
@@ -50,7 +49,6 @@ from triton_npu_client._errors._classify import (
     SERVER_NOT_TRUSTED,
     map_error,
 )
-from triton_npu_client._transport import Transport
 
 REPO = Path(__file__).resolve().parent.parent / "server_models"
 KEY = "key-TLSTEST-7781"
@@ -149,19 +147,6 @@ def _key_material(certs: Certs) -> list[str]:
     return [line for key in keys for line in key.read_text().splitlines() if line and not line.startswith("-----")]
 
 
-class CountingTransport:
-    """The real transport, counting inference calls (a seam, not a fake: every call goes to the server)."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.infer_calls = 0
-
-    def call(self, request: InferRequest, **kw: Any) -> Any:
-        self.infer_calls += 1
-        return self.inner.call(request, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 @pytest.fixture(scope="module")

@@ -176,10 +176,12 @@ class _Unit:
 
 def _as_columns(chunk: _Chunk, spec: ModelSpec) -> Mapping[str, Any] | None:
     """The chunk's rows as one column per input, or None when a row needs a look of its own."""
-    if chunk.columns is not None:
-        return chunk.columns
     inputs = spec.inputs
     names = [t.name for t in inputs]
+    if chunk.columns is not None:
+        # A caller's batch may carry columns of its own (an id): left behind here as on the row path below, so the
+        # batch stays on the fast path instead of failing the batch check and going row by row.
+        return {name: column for name, column in chunk.columns.items() if name in names}
     columns: dict[str, list[Any]] = {name: [] for name in names}
     for i in range(chunk.length):
         row = chunk.row(i)
@@ -342,13 +344,15 @@ class ScoredBatch:
 
     def rows(self) -> Iterator[ScoredRow]:
         """One :class:`ScoredRow` per row, in order."""
-        for index, outputs, error, row in self.events():
+        events = self.events()
+        for k, (index, outputs, error, row) in enumerate(events):
             if outputs is None:
                 assert error is not None
                 yield ScoredRow(index, None, error, row)
                 continue
-            n = len(next(iter(outputs.values()))) if outputs else 0
-            for i in range(n):
+            # A run ends where the next event starts (the events cover the range): no output's length to trust.
+            end = events[k + 1][0] if k + 1 < len(events) else self.start + self.length
+            for i in range(end - index):
                 yield ScoredRow(index + i, {name: out[i] for name, out in outputs.items()}, None)
 
 
