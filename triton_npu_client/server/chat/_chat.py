@@ -83,6 +83,8 @@ RefusalKind = Literal["invalid", "capacity", "unknown"]
 #: A ``TEMPERATURE`` below this is greedy (vLLM's epsilon): dividing logits by a smaller one overflows them
 #: to inf and sampling fails, while the distribution is already argmax to float precision.
 GREEDY_BELOW: Final = 1e-5
+#: The longest stream interval a turn may ask for (STREAM_INTERVAL_MS): past a minute a "stream" is one response.
+STREAM_INTERVAL_MAX_MS: Final = 60000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,7 +117,7 @@ class ChatMessage:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TurnOptions:
     """How one turn generates. ``temperature`` below :data:`GREEDY_BELOW` is greedy (0, the default); ``top_k`` 0
-    is off."""
+    is off. ``stream_interval_s``: how often the turn's mid-reply pieces may go out (None: the engine's default)."""
 
     max_tokens: int
     min_tokens: int = 0
@@ -124,6 +126,7 @@ class TurnOptions:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[bytes, ...] = ()
+    stream_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -139,6 +142,9 @@ class TurnOptions:
             problems.append(f"TOP_K must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             problems.append("STOP strings must not be empty")
+        longest = STREAM_INTERVAL_MAX_MS / 1000
+        if self.stream_interval_s is not None and not 0 <= self.stream_interval_s <= longest:  # also refuses NaN
+            problems.append(f"stream_interval_s must be in 0..{longest:g} seconds, got {self.stream_interval_s}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -382,11 +388,17 @@ class ChatEngine:
         seed: int | None = None,
         stop: Sequence[bytes | str] = (),
         digest: bytes | str | None = None,
+        stream_interval_ms: int | None = None,
     ) -> ChatTurn:
         """Build one request's job from its inputs, its messages tokenised; ``ValueError`` naming the input.
 
         Sizes are checked against :attr:`limits` on raw byte lengths before anything is decoded.
+        ``stream_interval_ms`` (STREAM_INTERVAL_MS) overrides the engine's stream interval for this turn.
         """
+        if stream_interval_ms is not None and not 0 <= int(stream_interval_ms) <= STREAM_INTERVAL_MAX_MS:
+            raise ValueError(
+                f"STREAM_INTERVAL_MS must be in 0..{STREAM_INTERVAL_MAX_MS} milliseconds, got {int(stream_interval_ms)}"
+            )
         limits = self.limits
         roles = list(roles or ())
         texts = list(texts or ())
@@ -442,6 +454,7 @@ class ChatEngine:
             top_k=0 if top_k is None else int(top_k),
             seed=None if seed is None else int(seed),
             stop=tuple(s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in stop),
+            stream_interval_s=None if stream_interval_ms is None else int(stream_interval_ms) / 1000,
         )
         # Tokenised here, on the execute thread: the loop's thread, which decodes for every conversation, never
         # spends time on one request's text.
@@ -594,15 +607,20 @@ class ChatEngine:
     def _may_send(self, turn: ChatTurn) -> bool:
         """Whether a turn's new bytes go out this pass: always the first piece; then no sooner than the interval.
 
-        With ``stream_interval_s`` 0 every pass sends. Above it, a turn's pieces in mid-reply are merged so that
+        With an interval of 0 every pass sends. Above it, a turn's pieces in mid-reply are merged so that
         it sends at most one response per interval: each response costs the stub, Triton and the client about
         the same whatever its size, so under load fewer, larger pieces leave more of the CPU to decoding.
+        The turn's own interval (STREAM_INTERVAL_MS) wins over the engine's ``stream_interval_s``.
         """
-        if self.stream_interval_s <= 0 or turn.sent_at is None:
+        options = turn.options
+        interval = self.stream_interval_s
+        if options is not None and options.stream_interval_s is not None:
+            interval = options.stream_interval_s
+        if interval <= 0 or turn.sent_at is None:
             turn.sent_at = self._clock()
             return True
         now = self._clock()
-        if now - turn.sent_at < self.stream_interval_s:
+        if now - turn.sent_at < interval:
             return False
         turn.sent_at = now
         return True
