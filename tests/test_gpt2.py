@@ -1,4 +1,4 @@
-"""The server toolkit's GPT-2 decoder and slot KV cache against Hugging Face transformers' GPT-2 (on CPU).
+"""The server toolkit's GPT-2 decoder on the paged KV cache against Hugging Face transformers' GPT-2 (on CPU).
 
 The reference is a random tiny ``GPT2LMHeadModel`` saved with ``save_pretrained`` and read back by
 :func:`load_gpt2`; every comparison is against transformers run on the whole sequence without a cache.
@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from triton_npu_client.server import GPT2, GPT2Config, KVCache, gpt2_forward, load_gpt2
+from triton_npu_client.server import GPT2, GPT2Config, PagedKVCache, gpt2_forward, load_gpt2
 
 TOL = 1e-4
 VOCAB = 97
@@ -59,19 +59,25 @@ def hf_logits(reference: tuple[transformers.GPT2LMHeadModel, Path], ids: list[in
     return out.logits[0].float()
 
 
+def new_cache(model: GPT2, blocks: int = 64, block_size: int = 4) -> PagedKVCache:
+    """Small blocks, so that even these short prompts span several and cross block boundaries mid-step."""
+    return PagedKVCache.for_model(model, num_blocks=blocks, block_size=block_size)
+
+
 def prompt(seed: int, length: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (length,), generator=g).tolist()
 
 
 def decode_alone(model: GPT2, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Prefill ``ids`` in slot 0 of a fresh cache, then ``steps`` greedy steps: (new tokens, each step's logits)."""
-    cache = KVCache.allocate(model, slots=1)
-    logits = gpt2_forward(model, cache, [0], torch.tensor([ids]))[0]
+    """Prefill ``ids`` in a fresh cache, then ``steps`` greedy steps: (new tokens, each step's logits)."""
+    cache = new_cache(model)
+    table = cache.new_table()
+    logits = gpt2_forward(model, cache, [table], torch.tensor([ids]))[0]
     tokens, seen = [], [logits]
     for _ in range(steps):
         tokens.append(int(logits.argmax()))
-        logits = gpt2_forward(model, cache, [0], torch.tensor([[tokens[-1]]]))[0]
+        logits = gpt2_forward(model, cache, [table], torch.tensor([[tokens[-1]]]))[0]
         seen.append(logits)
     return tokens, seen
 
@@ -96,11 +102,14 @@ def test_full_sequence_logits_match_transformers(
 ) -> None:
     """A prompt prefilled in one step gives transformers' logits at every position."""
     ids = prompt(1, 17)
-    cache = KVCache.allocate(model, slots=2)
-    ours = gpt2_forward(model, cache, [1], torch.tensor([ids]), all_logits=True)[0]
+    cache = new_cache(model)
+    table = cache.new_table()
+    ours = gpt2_forward(model, cache, [table], torch.tensor([ids]), all_logits=True)[0]
     assert ours.shape == (17, VOCAB)
     assert (ours - hf_logits(reference, ids)).abs().max().item() < TOL
-    assert cache.lengths == [0, 17]
+    assert table.length == 17
+    assert table.ids == ids
+    assert len(table.blocks) == 5  # 17 positions in blocks of 4
 
 
 def test_loads_keys_without_the_transformer_prefix(
@@ -125,46 +134,56 @@ def test_prefill_then_greedy_decode_matches_transformers_and_keeps_the_cache_in_
 ) -> None:
     """Each cached decode step gives transformers' no-cache logits and the same greedy token; no reallocation."""
     ids = prompt(2, 9)
-    cache = KVCache.allocate(model, slots=3)
+    cache = new_cache(model)
+    table = cache.new_table()
     pointers = [t.data_ptr() for t in (*cache.keys, *cache.values)]
     shapes = [t.shape for t in (*cache.keys, *cache.values)]
 
     ours_seq, ref_seq = list(ids), list(ids)
-    logits = gpt2_forward(model, cache, [2], torch.tensor([ids]))[0]
+    logits = gpt2_forward(model, cache, [table], torch.tensor([ids]))[0]
     for _ in range(12):
         ref = hf_logits(reference, ref_seq)[-1]
         assert (logits - ref).abs().max().item() < TOL
         ours_seq.append(int(logits.argmax()))
         ref_seq.append(int(ref.argmax()))
         assert ours_seq == ref_seq
-        logits = gpt2_forward(model, cache, [2], torch.tensor([[ours_seq[-1]]]))[0]
-    assert cache.lengths[2] == len(ours_seq)
+        logits = gpt2_forward(model, cache, [table], torch.tensor([[ours_seq[-1]]]))[0]
+    assert table.length == len(ours_seq)
     assert [t.data_ptr() for t in (*cache.keys, *cache.values)] == pointers
     assert [t.shape for t in (*cache.keys, *cache.values)] == shapes
 
 
-# The three ways attention reads the cache in place: one view of consecutive slots, one view of a range at most
-# twice the batch (padding rows), one view per row for slots spread wider.
-@pytest.mark.parametrize(
-    "slots", [[0, 1, 2, 3], [5, 2, 0, 3], [0, 9, 17, 30]], ids=["consecutive", "scattered", "spread"]
-)
-def test_batched_decode_equals_each_slot_decoded_alone(model: GPT2, slots: list[int]) -> None:
-    """Four slots with different prompt lengths, one batched step per token, give each slot's solo tokens and logits."""
+# Where the conversations' blocks lie changes how attention reads them: packed in order, interleaved (each
+# conversation's blocks scattered among the others'), or far apart (separate ranges).
+@pytest.mark.parametrize("layout", ["packed", "interleaved", "apart"])
+def test_batched_decode_equals_each_conversation_decoded_alone(model: GPT2, layout: str) -> None:
+    """Four conversations of different prompt lengths, one batched step per token, give each one's solo tokens and
+    logits, wherever their blocks lie in the pool."""
     prompts = [prompt(10 + i, n) for i, n in enumerate([3, 11, 1, 6])]
     steps = 8
-    cache = KVCache.allocate(model, slots=32)
-    last = torch.stack(
-        [gpt2_forward(model, cache, [slot], torch.tensor([ids]))[0] for slot, ids in zip(slots, prompts, strict=True)]
-    )
-    batched_tokens: list[list[int]] = [[] for _ in slots]
+    cache = new_cache(model, blocks=96)
+    if layout == "apart":
+        # Hold blocks between the conversations, so their blocks lie more than a gap apart.
+        holders = [cache.new_table() for _ in range(4)]
+    tables = [cache.new_table() for _ in prompts]
+    firsts = []
+    for i, (table, ids) in enumerate(zip(tables, prompts, strict=True)):
+        if layout == "apart":
+            cache.reserve(holders[i], 0, 4 * 12)
+        firsts.append(gpt2_forward(model, cache, [table], torch.tensor([ids]))[0])
+    last = torch.stack(firsts)
+    batched_tokens: list[list[int]] = [[] for _ in prompts]
     batched_logits = [last]
     for _ in range(steps):
         chosen = last.argmax(dim=-1)
         for row, token in enumerate(chosen.tolist()):
             batched_tokens[row].append(token)
-        last = gpt2_forward(model, cache, slots, chosen[:, None])
+        last = gpt2_forward(model, cache, tables, chosen[:, None])
         batched_logits.append(last)
-    assert [cache.lengths[s] for s in slots] == [len(p) + steps for p in prompts]
+    assert [t.length for t in tables] == [len(p) + steps for p in prompts]
+    if layout == "interleaved":
+        owner = {b: i for i, t in enumerate(tables) for b in t.blocks}
+        assert any(owner.get(b + 1, i) != i for i, t in enumerate(tables) for b in t.blocks[:-1])
 
     for row, ids in enumerate(prompts):
         alone_tokens, alone_logits = decode_alone(model, ids, steps)
@@ -173,43 +192,50 @@ def test_batched_decode_equals_each_slot_decoded_alone(model: GPT2, slots: list[
         assert diff < TOL
 
 
-def test_reset_slot_does_not_see_the_previous_occupant(
+def test_a_reused_block_does_not_show_its_previous_owner(
     reference: tuple[transformers.GPT2LMHeadModel, Path], model: GPT2
 ) -> None:
-    """A slot reset to length 0 and refilled with a short prompt attends only to its own tokens.
+    """Blocks freed by one conversation and taken by the next keep stale keys past the new length: never seen.
 
-    It decodes beside a long conversation, so the attention window covers the old occupant's stale entries.
+    It decodes beside a long conversation, so the same ranges hold both.
     """
-    cache = KVCache.allocate(model, slots=2)
-    gpt2_forward(model, cache, [0], torch.tensor([prompt(20, 30)]))
-    gpt2_forward(model, cache, [1], torch.tensor([prompt(21, 25)]))
-    cache.reset(0)
-    assert cache.lengths == [0, 25]
+    cache = new_cache(model, blocks=15)  # exactly what the two take: the next one must reuse the first's blocks
+    first, other = cache.new_table(), cache.new_table()
+    gpt2_forward(model, cache, [first], torch.tensor([prompt(20, 30)]))
+    gpt2_forward(model, cache, [other], torch.tensor([prompt(21, 25)]))
+    old_blocks = set(first.blocks)
+    cache.release(first)
+    assert first.length == 0
+    assert cache.used_blocks == 7
 
-    ids = prompt(22, 4)
-    logits = gpt2_forward(model, cache, [0], torch.tensor([ids]))[0]
+    ids = prompt(22, 6)
+    again = cache.new_table()
+    logits = gpt2_forward(model, cache, [again], torch.tensor([ids]))[0]
+    assert set(again.blocks) <= old_blocks
     seq = list(ids)
-    other = gpt2_forward(model, cache, [1], torch.tensor([[5]]))[0]
+    other_logits = gpt2_forward(model, cache, [other], torch.tensor([[5]]))[0]
     for _ in range(5):
         assert (logits - hf_logits(reference, seq)[-1]).abs().max().item() < TOL
         seq.append(int(logits.argmax()))
-        both = gpt2_forward(model, cache, [0, 1], torch.tensor([[seq[-1]], [int(other.argmax())]]))
-        logits, other = both[0], both[1]
-    assert cache.lengths[0] == len(seq)
+        both = gpt2_forward(model, cache, [again, other], torch.tensor([[seq[-1]], [int(other_logits.argmax())]]))
+        logits, other_logits = both[0], both[1]
+    assert again.length == len(seq)
 
 
 def test_rewind_and_bad_steps(reference: tuple[transformers.GPT2LMHeadModel, Path], model: GPT2) -> None:
-    """A position below the length rewinds the slot; repeated slots and holes past the length are refused."""
-    cache = KVCache.allocate(model, slots=2, max_ctx=16)
+    """A position below the length rewinds the table; repeated tables and holes past the length are refused."""
+    cache = new_cache(model)
+    table, empty = cache.new_table(), cache.new_table()
     ids = prompt(30, 10)
-    gpt2_forward(model, cache, [0], torch.tensor([ids]))
-    logits = gpt2_forward(model, cache, [0], torch.tensor([[7, 8]]), positions=[4])[0]
-    assert cache.lengths[0] == 6
+    gpt2_forward(model, cache, [table], torch.tensor([ids]))
+    logits = gpt2_forward(model, cache, [table], torch.tensor([[7, 8]]), positions=[4])[0]
+    assert table.length == 6
+    assert table.ids == [*ids[:4], 7, 8]
     assert (logits - hf_logits(reference, [*ids[:4], 7, 8])[-1]).abs().max().item() < TOL
-    with pytest.raises(ValueError, match="repeat"):
-        gpt2_forward(model, cache, [0, 0], torch.tensor([[1], [2]]))
-    with pytest.raises(ValueError, match="its length"):
-        gpt2_forward(model, cache, [1], torch.tensor([[1]]), positions=[1])
-    with pytest.raises(ValueError, match="max_ctx"):
-        gpt2_forward(model, cache, [0], torch.tensor([list(range(11))]))
-    assert cache.lengths == [6, 0]
+    with pytest.raises(ValueError, match="twice"):
+        gpt2_forward(model, cache, [table, table], torch.tensor([[1], [2]]))
+    with pytest.raises(ValueError, match="length"):
+        gpt2_forward(model, cache, [empty], torch.tensor([[1]]), positions=[1])
+    with pytest.raises(ValueError, match="n_positions"):
+        gpt2_forward(model, cache, [table], torch.tensor([list(range(60))]))
+    assert (table.length, empty.length) == (6, 0)

@@ -37,8 +37,9 @@ if _typing.TYPE_CHECKING:
     from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
     from .chat._chat import ChatEngine, ChatMessage, ChatResponse, ChatTokenizer, ChatTurn, TurnOptions
     from .chat._chat_model import ChatModel
-    from .chat._gpt2 import GPT2, GPT2Config, GPT2Layer, KVCache, load_gpt2
+    from .chat._gpt2 import GPT2, GPT2Config, GPT2Layer, load_gpt2
     from .chat._gpt2 import forward as gpt2_forward
+    from .chat._paged import BlockTable, CacheFull, PagedKVCache
     from .encoder._bert import BERT, BertConfig, load_bert, sentence_embeddings
     from .encoder._encoder import (
         EncoderModel,
@@ -93,7 +94,9 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "GPT2": "chat._gpt2",
     "GPT2Config": "chat._gpt2",
     "GPT2Layer": "chat._gpt2",
-    "KVCache": "chat._gpt2",
+    "PagedKVCache": "chat._paged",
+    "BlockTable": "chat._paged",
+    "CacheFull": "chat._paged",
     "gpt2_forward": ("chat._gpt2", "forward"),
     "load_gpt2": "chat._gpt2",
     "SEQUENCE_BUSY": "_markers",
@@ -129,7 +132,9 @@ __all__ = [
     "Accelerators",
     "BERT",
     "BatchPlan",
+    "BlockTable",
     "BertConfig",
+    "CacheFull",
     "ChatEngine",
     "ChatMessage",
     "ChatModel",
@@ -142,8 +147,8 @@ __all__ = [
     "GPT2",
     "GPT2Config",
     "GPT2Layer",
-    "KVCache",
     "NumpyMoments",
+    "PagedKVCache",
     "Refusal",
     "RunningMoments",
     "RunningStatsModel",

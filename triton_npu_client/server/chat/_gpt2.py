@@ -1,4 +1,4 @@
-"""A GPT-2 decoder in plain torch with a preallocated, slot-indexed KV cache, for batched chat decoding.
+"""A GPT-2 decoder in plain torch on the paged KV cache (``_paged``), for batched chat decoding.
 
 The weights come from a Hugging Face checkpoint folder (``config.json`` and ``model.safetensors``) and
 the model is a frozen set of tensors driven by :func:`forward`, not an ``nn.Module``: a serving loop
@@ -8,9 +8,10 @@ torch_npu, ``cuda:0``, ``cpu``) the same way.
 torch is imported inside the functions, never at module level, so that ``import
 triton_npu_client.server`` stays torch-free for CPU instances that keep their state in numpy.
 
-Serving shape: a :class:`KVCache` holds ``slots`` conversations side by side. One :func:`forward` call
-runs one step for several slots at once (one row per slot): either a prompt prefill (many tokens)
-or a decode step (one token per row), each row starting at its own position.
+Serving shape: a :class:`~._paged.PagedKVCache` holds every conversation's blocks, one
+:class:`~._paged.BlockTable` each. One :func:`forward` call runs one step for several conversations at
+once (one row each): either a prompt prefill (many tokens) or a decode step (one token per row), each
+row starting at its own position.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from .._files import read_json_config
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GPT2", "GPT2Config", "GPT2Layer", "KVCache", "forward", "load_gpt2"]
+    from ._paged import BlockTable, PagedKVCache
+
+__all__ = ["GPT2", "GPT2Config", "GPT2Layer", "forward", "load_gpt2"]
 
 # Hugging Face names for the tanh approximation of GELU that GPT-2 was trained with, and the exact one.
 _TANH_GELU = frozenset({"gelu_new", "gelu_pytorch_tanh"})
@@ -121,6 +124,30 @@ class GPT2:
     def dtype(self) -> torch.dtype:
         return self.wte.dtype
 
+    @property
+    def cache_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of its KV cache."""
+        return self.config.n_layer, self.config.n_head, self.config.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.n_positions
+
+    def forward(
+        self,
+        cache: PagedKVCache,
+        tables: Sequence[BlockTable],
+        tokens: torch.Tensor,
+        positions: Sequence[int] | None = None,
+        *,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        return forward(self, cache, tables, tokens, positions, all_logits=all_logits)
+
 
 # Our field name -> the Hugging Face key suffix under ``h.<i>.``.
 _LAYER_KEYS = {
@@ -176,208 +203,68 @@ def load_gpt2(path: str | Path, device: str | torch.device = "cpu", dtype: torch
     )
 
 
-@dataclass(frozen=True)
-class KVCache:
-    """Per-layer keys and values for ``slots`` conversations, allocated once on the model's device.
-
-    ``keys[l]`` and ``values[l]`` are [slots, heads, max_ctx, head_dim]. Slot first, so that one
-    conversation's history is one contiguous block that a step writes in place and a batch of
-    consecutive slots reads as a view; heads before positions, so that attention reads each head's
-    [positions, head_dim] as a contiguous matrix, the layout batched matmul and fused attention
-    kernels take without a transpose copy.
-
-    ``lengths[s]`` is how many positions slot ``s`` holds. It lives on the host: each step needs it
-    to check bounds and to build the mask, and a device tensor would cost a device-to-host sync per
-    step. Entries at or beyond a slot's length are stale (a previous occupant's, or never written) and
-    :func:`forward` masks them out, so :meth:`reset` only sets the length to 0 and never clears memory.
-    """
-
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
-    lengths: list[int]
-
-    @property
-    def slots(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def max_ctx(self) -> int:
-        return int(self.keys[0].shape[2])
-
-    @classmethod
-    def allocate(cls, model: GPT2, slots: int, max_ctx: int | None = None) -> KVCache:
-        """Allocate the cache for ``slots`` conversations of up to ``max_ctx`` positions (default: n_positions)."""
-        import torch
-
-        config = model.config
-        max_ctx = config.n_positions if max_ctx is None else max_ctx
-        if not 0 < max_ctx <= config.n_positions:
-            raise ValueError(f"max_ctx must be in 1..{config.n_positions} (n_positions), not {max_ctx}")
-        if slots < 1:
-            raise ValueError(f"slots must be at least 1, not {slots}")
-        shape = (slots, config.n_head, max_ctx, config.head_dim)
-
-        def block() -> torch.Tensor:
-            # zeros, not empty: stale entries are masked, but masked garbage could still be NaN/inf,
-            # and 0 * NaN in an attention product would poison the row.
-            return torch.zeros(shape, device=model.device, dtype=model.dtype)
-
-        return cls(
-            keys=tuple(block() for _ in range(config.n_layer)),
-            values=tuple(block() for _ in range(config.n_layer)),
-            lengths=[0] * slots,
-        )
-
-    def reset(self, slot: int) -> None:
-        """Free ``slot`` for a new conversation: its old entries become stale and invisible."""
-        self.lengths[slot] = 0
-
-
 def _gelu(x: torch.Tensor, activation: str) -> torch.Tensor:
     import torch.nn.functional as F
 
     return F.gelu(x, approximate="tanh" if activation in _TANH_GELU else "none")
 
 
-def _attend(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    slots: Sequence[int],
-    slot_index: torch.Tensor,
-    starts: Sequence[int],
-    mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of ``q`` [rows, heads, T, dim] over the cached keys and values of each row's slot.
-
-    The history is read in place, never copied: attention takes a *view* of the cache block.
-    - Consecutive ascending slots (a batch filling slots 0..B-1, a one-slot prefill): one view of
-      those slots.
-    - Slots spread over a range at most twice the batch: one view of the whole range. The rows of
-      slots outside the batch are padding: their queries are zeros, they may see their position 0
-      only (so no softmax row is empty), and their output is dropped. Wasted work is bounded by the
-      batch's own.
-    - Slots spread wider: one attention call per row on that slot's own view.
-    Returns [rows, heads, T, dim] in the order of ``slots``.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    rows, steps = int(q.shape[0]), int(q.shape[2])
-    width = int(mask.shape[-1])
-    first, last = min(slots), max(slots)
-    span = last - first + 1
-    if list(slots) == list(range(first, first + rows)):
-        return F.scaled_dot_product_attention(
-            q, keys[first : last + 1, :, :width], values[first : last + 1, :, :width], attn_mask=mask, scale=scale
-        )
-    if span <= 2 * rows:
-        index = slot_index - first
-        q_span = q.new_zeros((span, *q.shape[1:])).index_copy_(0, index, q)
-        mask_span = torch.zeros((span, 1, steps, width), dtype=torch.bool, device=q.device)
-        mask_span[:, :, :, 0] = True
-        mask_span.index_copy_(0, index, mask)
-        out = F.scaled_dot_product_attention(
-            q_span, keys[first : last + 1, :, :width], values[first : last + 1, :, :width], attn_mask=mask_span,
-            scale=scale,
-        )
-        return out.index_select(0, index)
-    pieces: list[torch.Tensor] = []
-    for row, (slot, start) in enumerate(zip(slots, starts, strict=True)):
-        end = start + steps
-        pieces.append(
-            F.scaled_dot_product_attention(
-                q[row : row + 1], keys[slot : slot + 1, :, :end], values[slot : slot + 1, :, :end],
-                attn_mask=mask[row : row + 1, :, :, :end], scale=scale,
-            )
-        )
-    return torch.cat(pieces)
-
-
 def forward(
     model: GPT2,
-    cache: KVCache,
-    slots: Sequence[int],
+    cache: PagedKVCache,
+    tables: Sequence[BlockTable],
     tokens: torch.Tensor,
     positions: Sequence[int] | None = None,
     *,
     all_logits: bool = False,
 ) -> torch.Tensor:
-    """Run one step: append ``tokens`` [rows, T] to the conversations in ``slots`` (one slot per row).
+    """Run one step: append ``tokens`` [rows, T] to the conversations ``tables`` (one per row).
 
     Prefill is one row with the whole prompt (T = prompt length); a decode step is many rows with
-    T = 1. Row ``b`` is written at positions ``positions[b]`` .. ``positions[b] + T - 1`` of slot
-    ``slots[b]`` and attends to everything the slot holds before them plus itself. ``positions``
-    defaults to each slot's length (append); a smaller position rewinds the slot, dropping what
-    followed. Afterwards ``cache.lengths[slots[b]] == positions[b] + T``.
+    T = 1. Row ``b`` is written at positions ``positions[b]`` .. ``positions[b] + T - 1`` of
+    ``tables[b]`` and attends to everything the table holds before them plus itself. ``positions``
+    defaults to each table's length (append); a smaller position rewinds the table, dropping what
+    followed. Afterwards ``tables[b].length == positions[b] + T``.
 
     Returns float logits [rows, vocab] for each row's last token, or [rows, T, vocab] with
-    ``all_logits``. Raises ``ValueError`` for repeated slots, mismatched shapes or positions past the
-    slot's length or the cache's capacity.
+    ``all_logits``. Raises ``ValueError`` for a repeated table, mismatched shapes or positions past a
+    table's length or the model's positions, :class:`~._paged.CacheFull` when the pool lacks blocks.
     """
     import torch
     import torch.nn.functional as F
 
     config = model.config
-    if tokens.dim() != 2 or tokens.shape[0] != len(slots) or tokens.shape[1] == 0:
-        raise ValueError(f"tokens must be [len(slots)={len(slots)}, T>=1], not {list(tokens.shape)}")
-    # Two rows on one slot would write the same cache positions in one step: the result is undefined.
-    if len(set(slots)) != len(slots):
-        raise ValueError(f"slots repeat in one step: {list(slots)}")
+    if tokens.dim() != 2 or tokens.shape[0] != len(tables) or tokens.shape[1] == 0:
+        raise ValueError(f"tokens must be [len(tables)={len(tables)}, T>=1], not {list(tokens.shape)}")
     rows, steps = int(tokens.shape[0]), int(tokens.shape[1])
-    starts = [cache.lengths[s] for s in slots] if positions is None else [int(p) for p in positions]
+    starts = [t.length for t in tables] if positions is None else [int(p) for p in positions]
     if len(starts) != rows:
         raise ValueError(f"{len(starts)} positions for {rows} rows")
-    for slot, start in zip(slots, starts, strict=True):
-        if not 0 <= slot < cache.slots:
-            raise ValueError(f"slot {slot} is not in 0..{cache.slots - 1}")
-        # A start past the length would leave a hole of stale entries that the mask lets through.
-        if not 0 <= start <= cache.lengths[slot]:
-            raise ValueError(f"position {start} for slot {slot} is not in 0..{cache.lengths[slot]} (its length)")
-        if start + steps > cache.max_ctx:
-            raise ValueError(f"slot {slot}: positions up to {start + steps} exceed max_ctx {cache.max_ctx}")
+    for start in starts:
+        # Learned position embeddings end at n_positions: there is no position past it.
+        if start + steps > config.n_positions:
+            raise ValueError(f"positions up to {start + steps} exceed n_positions {config.n_positions}")
+    # Planned from the host tokens (their ids are kept for prefix sharing, with no device-to-host copy).
+    plan = cache.plan(tables, starts, tokens.cpu() if tokens.device.type != "cpu" else tokens)
 
     device = model.device
     tokens = tokens.to(device=device, dtype=torch.long)
-    slot_index = torch.tensor(list(slots), device=device, dtype=torch.long)
-    # Absolute position of every new token: [rows, T]. Rows differ in where they start, so each row
-    # has its own position embeddings and its own cache positions.
     pos = torch.tensor(starts, device=device, dtype=torch.long)[:, None] + torch.arange(steps, device=device)
-    # Attention only needs the cache up to the longest row's end; the rest of max_ctx is not read.
-    width = max(starts) + steps
-    # The one mask for both jobs: a token at absolute position p sees cache positions 0..p. That is
-    # causal order within the new tokens, and it hides every position at or past the row's new
-    # length, i.e. stale entries of a reused slot and the padding a shorter row gets from sharing
-    # `width` with a longer one. Every token sees at least position 0, so no softmax row is empty.
-    # [rows, 1 (broadcast over heads), T, width]; True means "may attend".
-    mask = (torch.arange(width, device=device)[None, None, :] <= pos[:, :, None])[:, None]
-    # Advanced indices on dims 0 and 2 of a [slots, heads, ctx, dim] block select [rows, T] pairs
-    # (slot of the row, position of the token) and take values shaped [rows, T, heads, dim].
-    write_slot = slot_index[:, None].expand(rows, steps)
-
     heads, head_dim = config.n_head, config.head_dim
+    scale = 1.0 / math.sqrt(head_dim)
     x = model.wte[tokens] + model.wpe[pos]  # [rows, T, n_embd]
-    for layer, keys, values in zip(model.layers, cache.keys, cache.values, strict=True):
+    for index, layer in enumerate(model.layers):
         h = F.layer_norm(x, (config.n_embd,), layer.ln_1_weight, layer.ln_1_bias, config.layer_norm_epsilon)
         qkv = torch.addmm(layer.attn_bias, h.reshape(-1, config.n_embd), layer.attn_weight)
         q, k, v = qkv.view(rows, steps, 3, heads, head_dim).unbind(2)  # each [rows, T, heads, dim]
-        # In place, only the new positions: the history already in the cache is never copied or moved.
-        keys[write_slot, :, pos] = k
-        values[write_slot, :, pos] = v
-        attended = _attend(
-            q.transpose(1, 2),  # [rows, heads, T, dim]
-            keys, values, slots, slot_index, starts, mask, 1.0 / math.sqrt(head_dim),
-        )
-        attended = attended.transpose(1, 2).reshape(-1, config.n_embd)
+        attended = cache.attend(index, plan, q, k, v, scale).reshape(-1, config.n_embd)
         x = x + torch.addmm(layer.attn_proj_bias, attended, layer.attn_proj_weight).view(rows, steps, -1)
         h = F.layer_norm(x, (config.n_embd,), layer.ln_2_weight, layer.ln_2_bias, config.layer_norm_epsilon)
         inner = torch.addmm(layer.fc_bias, h.reshape(-1, config.n_embd), layer.fc_weight)
         inner = _gelu(inner, config.activation_function)
         x = x + torch.addmm(layer.mlp_proj_bias, inner, layer.mlp_proj_weight).view(rows, steps, -1)
 
-    for slot, start in zip(slots, starts, strict=True):
-        cache.lengths[slot] = start + steps
+    cache.commit(plan)
     # The vocabulary projection is the largest matmul of a decode step; a step that only samples the
     # next token projects the last position alone.
     if not all_logits:

@@ -1,0 +1,501 @@
+"""A paged KV cache: fixed-size blocks in one pool per layer, a block table per conversation, equal prefixes shared.
+
+Why paged. A slot per conversation reserves ``max_ctx`` positions from START whatever the conversation's length,
+so a memory budget holds few conversations; here a conversation holds ``ceil(length / block_size)`` blocks and
+grows one block at a time. Why shared: 32 conversations that open with the same 500-token system prompt would
+store and prefill it 32 times; here the full blocks of a token prefix are registered under the prefix itself and
+a conversation whose history starts the same way takes them by reference (vLLM's automatic prefix caching).
+
+**Layout.** Per layer, keys and values are ``[num_blocks, kv_heads, block_size, head_dim]``: block first, so that
+any range of consecutive blocks is one contiguous view ``[n * kv_heads, block_size, head_dim]`` that a batched
+matmul reads in place. Attention never gathers a conversation's history into a copy: it scores the queries
+against each block where it lies (:meth:`PagedKVCache.attend`), and only the queries, a block's worth of rows at
+a time, are copied.
+
+**Sharing and copy-on-write.** A full block is registered under ``(its parent's registration, its token ids)``:
+an exact key (dict equality, no hash that could collide), so a block is reused only by a conversation whose
+whole prefix up to that block is the same token ids. A shared block is never written: a conversation that
+rewinds into one (a rolled-back turn, a re-rendered template) gets a private copy first. A block nobody holds
+keeps its registration until its memory is needed (least recently freed first), so the next conversation with
+the same system prompt still finds it.
+
+**Bookkeeping is on the host** (block tables, reference counts, the prefix index): every step needs it to
+build the write positions and masks, and device-side tables would cost a device-to-host sync per step.
+
+torch is imported inside the functions, never at module level.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AttentionPlan", "BlockTable", "CacheFull", "DecoderLike", "PagedKVCache"]
+
+#: Blocks of a class (private or shared) further apart than this are scored in separate ranges: a gap of unused
+#: blocks between two ranges would otherwise be scored (and discarded) with them.
+_GAP_BLOCKS = 8
+
+
+class DecoderLike(Protocol):
+    """What a cache needs to know of a decoder (GPT-2, the Llama family)."""
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int]: ...  # (layers, kv_heads, head_dim)
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+class CacheFull(RuntimeError):
+    """The pool has fewer free blocks than a reservation needs; nothing was changed."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"the KV cache needs {needed} free blocks but has {free}")
+        self.needed = needed
+        self.free = free
+
+
+@dataclass(eq=False)
+class BlockTable:
+    """One conversation's blocks: position ``p`` lives in block ``blocks[p // block_size]`` at ``p % block_size``.
+
+    ``ids`` are the token ids whose keys and values the table holds (``len(ids)`` is its length; -1 where a caller
+    gave no ids); ``keys[i]`` is full block ``i``'s registration key, for as many full blocks as are registered
+    or known equal to a registered one.
+    """
+
+    blocks: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """Blocks ``lo .. lo + n - 1`` scored against ``owner`` ([n, M] rows, ``rows`` for none) under ``mask``."""
+
+    lo: int
+    n: int
+    width: int  # M: row slots per block (1 for private blocks, the most sharers for shared ones)
+    owner: Any  # torch.Tensor [n * M] long, on the device
+    mask: Any  # torch.Tensor [n, 1, M, 1, T, block_size] bool: True may attend
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """One forward's positions and masks, made once by :meth:`PagedKVCache.plan` and read by every layer."""
+
+    tables: tuple[BlockTable, ...]
+    starts: tuple[int, ...]
+    steps: int
+    ids: tuple[tuple[int, ...], ...] | None
+    write_blocks: Any  # torch.Tensor [rows * T] long
+    write_offsets: Any  # torch.Tensor [rows * T] long
+    ranges: tuple[_Range, ...]
+
+    @property
+    def rows(self) -> int:
+        return len(self.tables)
+
+
+class PagedKVCache:
+    """The block pool of one model instance; see the module docstring. Not thread-safe: one loop thread uses it."""
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        device: Any = "cpu",
+        dtype: Any = None,
+        share_prefixes: bool = True,
+    ) -> None:
+        import torch
+
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        dtype = torch.float32 if dtype is None else dtype
+        shape = (num_blocks, kv_heads, block_size, head_dim)
+        # zeros, not empty: masked garbage could still be NaN or inf, and 0 * NaN in the value product poisons a row.
+        self.keys = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers))
+        self.values = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers))
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.device = self.keys[0].device
+        self.share_prefixes = share_prefixes
+        self.block_bytes = 2 * layers * kv_heads * block_size * head_dim * self.keys[0].element_size()
+        self._refs = [0] * num_blocks
+        # Free blocks holding nothing registered, lowest first: live blocks stay packed at the low end of the
+        # pool, so the ranges attention scores stay few and dense.
+        self._free = list(range(num_blocks))
+        # Free blocks that keep a registration, least recently freed first: taken only when _free is empty.
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._index: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}  # (parent key, ids) -> (block, key)
+        self._registered: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> its index entry
+        self._keys = itertools.count(1)  # registration keys; 0 is the empty prefix
+        # Counters, for tests, logs and benchmarks.
+        self.shared_hits = 0  # blocks taken by reference instead of being computed
+        self.copies = 0  # copy-on-write copies
+
+    @classmethod
+    def for_model(
+        cls, model: DecoderLike, *, num_blocks: int, block_size: int = 16, share_prefixes: bool = True
+    ) -> PagedKVCache:
+        layers, kv_heads, head_dim = model.cache_shape
+        return cls(
+            layers=layers, kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks, block_size=block_size,
+            device=model.device, dtype=model.dtype, share_prefixes=share_prefixes,
+        )
+
+    @staticmethod
+    def bytes_per_block(model: DecoderLike, block_size: int = 16) -> int:
+        import torch
+
+        layers, kv_heads, head_dim = model.cache_shape
+        return 2 * layers * kv_heads * block_size * head_dim * torch.empty((), dtype=model.dtype).element_size()
+
+    def __repr__(self) -> str:
+        return f"PagedKVCache(blocks={self.num_blocks}, used={self.used_blocks}, block_size={self.block_size})"
+
+    # -- accounting -------------------------------------------------------------------------------------
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks some table holds (a shared block counts once)."""
+        return self.num_blocks - len(self._free) - len(self._cached)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks a reservation may take (free ones, and unheld ones that only keep a registration)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.block_bytes
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    # -- tables -----------------------------------------------------------------------------------------
+
+    def new_table(self) -> BlockTable:
+        return BlockTable()
+
+    def release(self, table: BlockTable) -> None:
+        """Drop every block of ``table`` (END, eviction); the table is empty afterwards."""
+        for block in table.blocks:
+            self._unref(block)
+        table.blocks.clear()
+        table.ids.clear()
+        table.keys.clear()
+
+    def needed(self, table: BlockTable, start: int, end: int) -> int:
+        """Free blocks :meth:`reserve` would take to make positions ``start .. end - 1`` of ``table`` writable."""
+        bs = self.block_size
+        kept = self.blocks_for(start)
+        fresh = max(self.blocks_for(end) - kept, 0)
+        # The block holding `start` keeps its first positions: a shared one is copied, not written.
+        if start % bs and kept <= len(table.blocks) and self._refs[table.blocks[kept - 1]] > 1:
+            fresh += 1
+        return fresh
+
+    def reserve(self, table: BlockTable, start: int, end: int) -> None:
+        """Make positions ``start .. end - 1`` of ``table`` writable, dropping what it held from ``start`` on.
+
+        Takes blocks for the new positions and copies a shared block that ``start`` falls inside. Raises
+        :class:`CacheFull` (changing nothing) when the pool lacks the blocks, ``ValueError`` for a ``start``
+        past the table's length. Reserving what is already reserved takes nothing.
+        """
+        if not 0 <= start <= table.length:
+            raise ValueError(f"position {start} is not in 0..{table.length} (the conversation's length)")
+        if end < start:
+            raise ValueError(f"end {end} is before start {start}")
+        need = self.needed(table, start, end)
+        if need > self.free_blocks:
+            raise CacheFull(need, self.free_blocks)
+        bs = self.block_size
+        kept = self.blocks_for(start)
+        for block in table.blocks[kept:]:
+            self._unref(block)
+        del table.blocks[kept:]
+        del table.ids[start:]
+        del table.keys[start // bs :]
+        if start % bs:
+            last = table.blocks[-1]
+            if self._refs[last] > 1:
+                copy = self._take()
+                for pool in (*self.keys, *self.values):
+                    pool[copy, :, : start % bs] = pool[last, :, : start % bs]
+                self._unref(last)
+                table.blocks[-1] = copy
+                self.copies += 1
+            else:
+                self._unregister(last)  # its tail is about to change: nobody may take it as it was
+        while len(table.blocks) < self.blocks_for(end):
+            table.blocks.append(self._take())
+
+    def adopt_prefix(self, table: BlockTable, ids: Sequence[int], *, keep_last: bool = True) -> int:
+        """Take registered blocks of ``ids``' longest registered prefix where ``table`` holds less of it.
+
+        Returns how many leading positions of ``ids`` the table now holds. ``keep_last``: never take the last
+        position of ``ids`` (its logits are what the caller needs, so it must be computed). Takes no free block.
+        """
+        bs = self.block_size
+        held = _common_prefix(table.ids, ids)
+        if not self.share_prefixes:
+            return held
+        limit = (len(ids) - 1 if keep_last else len(ids)) // bs
+        found: list[tuple[int, int]] = []
+        parent = 0
+        for i in range(limit):
+            entry = self._index.get((parent, tuple(ids[i * bs : (i + 1) * bs])))
+            if entry is None:
+                break
+            found.append(entry)
+            parent = entry[1]
+        if len(found) * bs <= held:
+            return held
+        for block, _ in found:
+            self._ref(block)  # before the old ones go: a block may be in both lists
+        for block in table.blocks:
+            self._unref(block)
+        self.shared_hits += sum(1 for i, (b, _) in enumerate(found) if i >= len(table.blocks) or table.blocks[i] != b)
+        table.blocks[:] = [b for b, _ in found]
+        table.keys[:] = [k for _, k in found]
+        table.ids[:] = ids[: len(found) * bs]
+        return table.length
+
+    # -- one forward ------------------------------------------------------------------------------------
+
+    def plan(
+        self,
+        tables: Sequence[BlockTable],
+        starts: Sequence[int] | None,
+        tokens: int | Any,
+    ) -> AttentionPlan:
+        """Reserve and lay out one forward: row ``r`` appends ``T`` tokens to ``tables[r]`` at ``starts[r]``.
+
+        ``tokens`` is the [rows, T] token tensor (on any device; its ids are kept for prefix sharing) or just
+        ``T``. ``starts`` defaults to each table's length (append); a smaller start rewinds. Raises
+        ``ValueError`` for a table repeated in one forward or a bad start, :class:`CacheFull` from the
+        reservation (rows before the failing one keep theirs: reserving again takes nothing).
+        """
+        import numpy as np
+        import torch
+
+        if isinstance(tokens, int):
+            steps, ids = tokens, None
+        else:
+            steps = int(tokens.shape[1])
+            ids = tuple(tuple(int(t) for t in row) for row in tokens.tolist())
+        rows = len(tables)
+        if steps < 1 or rows < 1:
+            raise ValueError(f"a forward needs rows >= 1 and T >= 1, got {rows} rows of {steps}")
+        if len({id(t) for t in tables}) != rows:
+            raise ValueError("a conversation appears twice in one forward: its positions would be written twice")
+        starts = [t.length for t in tables] if starts is None else [int(s) for s in starts]
+        if len(starts) != rows:
+            raise ValueError(f"{len(starts)} starts for {rows} rows")
+        for table, start in zip(tables, starts, strict=True):
+            self.reserve(table, start, start + steps)
+        bs = self.block_size
+        device = self.device
+
+        # Where each new position is written.
+        pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(steps, dtype=np.int64)  # [rows, T]
+        write_blocks = np.empty((rows, steps), dtype=np.int64)
+        for r, table in enumerate(tables):
+            write_blocks[r] = np.asarray(table.blocks, dtype=np.int64)[pos[r] // bs]
+        # Every (block, row) pair attention reads: the blocks each row sees, up to its last new position.
+        pairs_block: list[Any] = []
+        pairs_row: list[Any] = []
+        pairs_index: list[Any] = []
+        for r, (table, start) in enumerate(zip(tables, starts, strict=True)):
+            n = self.blocks_for(start + steps)
+            pairs_block.append(np.asarray(table.blocks[:n], dtype=np.int64))
+            pairs_row.append(np.full(n, r, dtype=np.int64))
+            pairs_index.append(np.arange(n, dtype=np.int64))
+        block_of = np.concatenate(pairs_block)
+        row_of = np.concatenate(pairs_row)
+        index_of = np.concatenate(pairs_index)
+        # A block read by several rows (a shared prefix) is scored once against all of them; a private block
+        # against its one row. Separate classes, so private blocks do not pay for the widest sharing.
+        order = np.lexsort((row_of, block_of))
+        block_of, row_of, index_of = block_of[order], row_of[order], index_of[order]
+        unique, first, counts = np.unique(block_of, return_index=True, return_counts=True)
+        query_pos = torch.as_tensor(pos, device=device)  # [rows, T]
+        ranges: list[_Range] = []
+        for shared in (False, True):
+            chosen = np.nonzero(counts > 1 if shared else counts == 1)[0]
+            if not len(chosen):
+                continue
+            width = int(counts[chosen].max())
+            # Split where the blocks of the class leave a gap: unused blocks between them would be scored too.
+            cuts = np.nonzero(np.diff(unique[chosen]) > _GAP_BLOCKS)[0] + 1
+            for part in np.split(chosen, cuts):
+                lo, hi = int(unique[part[0]]), int(unique[part[-1]])
+                n = hi - lo + 1
+                owner = np.full((n, width), rows, dtype=np.int64)  # `rows`: the discarded dummy row
+                at = np.full((n, width), -1, dtype=np.int64)  # the block's index in the row's table
+                slots, starts_of, sizes = unique[part] - lo, first[part], counts[part]
+                for c in range(width):
+                    sel = sizes > c
+                    owner[slots[sel], c] = row_of[starts_of[sel] + c]
+                    at[slots[sel], c] = index_of[starts_of[sel] + c]
+                owner_t = torch.as_tensor(owner, device=device)
+                at_t = torch.as_tensor(at, device=device)
+                # Key position of each (block, slot, offset); a query at absolute position p sees keys at 0..p,
+                # which is causal order within the new tokens and hides what lies past a row's length.
+                key_pos = at_t[:, :, None] * bs + torch.arange(bs, device=device)  # [n, M, bs]
+                q = torch.cat([query_pos, torch.full((1, steps), -1, device=device, dtype=torch.long)])[owner_t]
+                mask = (key_pos[:, :, None, :] <= q[:, :, :, None]) & (at_t >= 0)[:, :, None, None]
+                ranges.append(_Range(lo=lo, n=n, width=width, owner=owner_t.reshape(-1), mask=mask[:, None, :, None]))
+        return AttentionPlan(
+            tables=tuple(tables),
+            starts=tuple(starts),
+            steps=steps,
+            ids=ids,
+            write_blocks=torch.as_tensor(write_blocks.reshape(-1), device=device),
+            write_offsets=torch.as_tensor((pos % bs).reshape(-1), device=device),
+            ranges=tuple(ranges),
+        )
+
+    def attend(self, layer: int, plan: AttentionPlan, q: Any, k: Any, v: Any, scale: float) -> Any:
+        """Write ``k``, ``v`` at the plan's positions of ``layer``; return each query's attention over its history.
+
+        ``q`` [rows, T, heads, dim], ``k`` and ``v`` [rows, T, kv_heads, dim] (rotary already applied); returns
+        [rows, T, heads * dim]. Each range of blocks is scored in place against the queries of the rows that
+        read it; a softmax over every block of a row comes from their maxima and sums (flash-decoding's merge).
+        """
+        import torch
+
+        keys, values = self.keys[layer], self.values[layer]
+        rows, steps, heads, dim = (int(x) for x in q.shape)
+        kv_heads = int(k.shape[2])
+        group = heads // kv_heads
+        keys[plan.write_blocks, :, plan.write_offsets] = k.reshape(rows * steps, kv_heads, dim).to(keys.dtype)
+        values[plan.write_blocks, :, plan.write_offsets] = v.reshape(rows * steps, kv_heads, dim).to(values.dtype)
+        # [rows + 1, kv_heads, group * T, dim]: the extra row is the dummy that unused slots point at.
+        qr = (q * scale).to(keys.dtype).view(rows, steps, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+        qr = torch.cat([qr.reshape(rows, kv_heads, group * steps, dim), qr.new_zeros(1, kv_heads, group * steps, dim)])
+        bs = self.block_size
+        scores: list[Any] = []
+        row_max = torch.full((rows + 1, kv_heads, group * steps), -math.inf, device=q.device)
+        for rng in plan.ranges:
+            n, width = rng.n, rng.width
+            # Queries laid out per block: [n * kv_heads, M * group * T, dim]
+            qb = qr.index_select(0, rng.owner).view(n, width, kv_heads, group * steps, dim).transpose(1, 2)
+            qb = qb.reshape(n * kv_heads, width * group * steps, dim)
+            kb = keys[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)  # in place: a view of the pool
+            s = torch.bmm(qb, kb.transpose(1, 2)).float().view(n, kv_heads, width, group, steps, bs)
+            s = s.masked_fill(~rng.mask, -math.inf)
+            # Per (block, slot) maxima, pair-major, folded into each row's maximum.
+            pair_max = s.amax(dim=-1).transpose(1, 2).reshape(n * width, kv_heads, group * steps)
+            index = rng.owner[:, None, None].expand_as(pair_max)
+            row_max.scatter_reduce_(0, index, pair_max, reduce="amax")
+            scores.append(s)
+        sums = torch.zeros((rows + 1, kv_heads, group * steps), device=q.device)
+        out = torch.zeros((rows + 1, kv_heads, group * steps, dim), device=q.device)
+        # A row's dummy slots have maximum -inf: exp(-inf - -inf) is NaN there, and only the dummy row collects it.
+        for rng, s in zip(plan.ranges, scores, strict=True):
+            n, width = rng.n, rng.width
+            m = row_max.index_select(0, rng.owner).view(n, width, kv_heads, group, steps).transpose(1, 2)
+            e = torch.exp(s - m[..., None])  # [n, kv_heads, M, group, T, bs]
+            pair_sum = e.sum(dim=-1).transpose(1, 2).reshape(n * width, kv_heads, group * steps)
+            sums.index_add_(0, rng.owner, pair_sum)
+            vb = values[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)
+            o = torch.bmm(e.to(values.dtype).view(n * kv_heads, width * group * steps, bs), vb)
+            o = o.view(n, kv_heads, width, group * steps, dim).transpose(1, 2).reshape(
+                n * width, kv_heads, group * steps, dim
+            )
+            out.index_add_(0, rng.owner, o.float())
+        result = (out[:rows] / sums[:rows, :, :, None]).view(rows, kv_heads, group, steps, dim)
+        return result.permute(0, 3, 1, 2, 4).reshape(rows, steps, heads * dim).to(q.dtype)
+
+    def commit(self, plan: AttentionPlan) -> None:
+        """The forward went through: each table now holds its new positions; full blocks are registered."""
+        for r, (table, start) in enumerate(zip(plan.tables, plan.starts, strict=True)):
+            del table.ids[start:]
+            table.ids.extend(plan.ids[r] if plan.ids is not None else [-1] * plan.steps)
+            self._register(table)
+
+    # -- internals --------------------------------------------------------------------------------------
+
+    def _register(self, table: BlockTable) -> None:
+        if not self.share_prefixes:
+            return
+        bs = self.block_size
+        while len(table.keys) < table.length // bs:
+            i = len(table.keys)
+            chunk = tuple(table.ids[i * bs : (i + 1) * bs])
+            if -1 in chunk:
+                return  # positions written without their ids: nothing can be matched against them
+            parent = table.keys[-1] if table.keys else 0
+            entry = self._index.get((parent, chunk))
+            block = table.blocks[i]
+            if entry is None:
+                key = next(self._keys)
+                self._index[(parent, chunk)] = (block, key)
+                self._registered[block] = (parent, chunk)
+                table.keys.append(key)
+            else:
+                # The same prefix is registered on another block already: ours stays private, and its key is
+                # that one's, so the blocks after it chain to the registered prefix.
+                table.keys.append(entry[1])
+
+    def _unregister(self, block: int) -> None:
+        entry = self._registered.pop(block, None)
+        if entry is not None:
+            del self._index[entry]
+
+    def _take(self) -> int:
+        if self._free:
+            block = heapq.heappop(self._free)
+        else:
+            block, _ = self._cached.popitem(last=False)
+            self._unregister(block)
+        self._refs[block] = 1
+        return block
+
+    def _ref(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._cached.pop(block, None)
+        self._refs[block] += 1
+
+    def _unref(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._registered:
+                self._cached[block] = None
+            else:
+                heapq.heappush(self._free, block)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
