@@ -37,8 +37,11 @@ if _typing.TYPE_CHECKING:
     from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
     from .chat._chat import ChatEngine, ChatMessage, ChatResponse, ChatTokenizer, ChatTurn, TurnOptions
     from .chat._chat_model import ChatModel
+    from .chat._decoders import load_decoder
     from .chat._gpt2 import GPT2, GPT2Config, GPT2Layer, load_gpt2
     from .chat._gpt2 import forward as gpt2_forward
+    from .chat._llama import Llama, LlamaConfig, LlamaLayer, RopeScaling, load_llama
+    from .chat._llama import forward as llama_forward
     from .chat._paged import BlockTable, CacheFull, PagedKVCache
     from .encoder._bert import BERT, BertConfig, load_bert, sentence_embeddings
     from .encoder._encoder import (
@@ -99,6 +102,13 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "CacheFull": "chat._paged",
     "gpt2_forward": ("chat._gpt2", "forward"),
     "load_gpt2": "chat._gpt2",
+    "load_decoder": "chat._decoders",
+    "Llama": "chat._llama",
+    "LlamaConfig": "chat._llama",
+    "LlamaLayer": "chat._llama",
+    "RopeScaling": "chat._llama",
+    "llama_forward": ("chat._llama", "forward"),
+    "load_llama": "chat._llama",
     "SEQUENCE_BUSY": "_markers",
     "RunningStatsModel": "_model",
     "BatchPlan": "_state",
@@ -147,9 +157,13 @@ __all__ = [
     "GPT2",
     "GPT2Config",
     "GPT2Layer",
+    "Llama",
+    "LlamaConfig",
+    "LlamaLayer",
     "NumpyMoments",
     "PagedKVCache",
     "Refusal",
+    "RopeScaling",
     "RunningMoments",
     "RunningStatsModel",
     "SentenceEncoder",
@@ -168,8 +182,11 @@ __all__ = [
     "choose_device",
     "gpt2_forward",
     "instance_index",
+    "llama_forward",
     "load_bert",
+    "load_decoder",
     "load_gpt2",
+    "load_llama",
     "model_parameter",
     "packaged_checkpoint",
     "parse_device_ids",
