@@ -676,6 +676,7 @@ class Client:
         top_k: int | None = None,
         seed: int | None = None,
         stop: Sequence[str] | None = None,
+        stream_interval_ms: int | None = None,
         sequence_id: int | str | None = None,
         timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
         replay_on_loss: bool = False,
@@ -701,6 +702,7 @@ class Client:
 
         return defer_chat(
             name, fetch, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, sequence_id=sequence_id,
-            timeout_s=timeout_s, replay_on_loss=replay_on_loss,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stream_interval_ms=stream_interval_ms, sequence_id=sequence_id, timeout_s=timeout_s,
+            replay_on_loss=replay_on_loss,
         )

@@ -208,6 +208,7 @@ class Model:
         top_k: int | None = None,
         seed: int | None = None,
         stop: Sequence[str] | None = None,
+        stream_interval_ms: int | None = None,
         sequence_id: int | str | None = None,
         timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
         replay_on_loss: bool = False,
@@ -218,6 +219,6 @@ class Model:
         """
         return open_chat(
             self, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, sequence_id=sequence_id, timeout_s=timeout_s,
-            replay_on_loss=replay_on_loss,
+            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stream_interval_ms=stream_interval_ms,
+            sequence_id=sequence_id, timeout_s=timeout_s, replay_on_loss=replay_on_loss,
         )

@@ -13,9 +13,14 @@
   message (the first turn also the system message and any ``history=``). The client keeps the sequence id,
   the token counts and :attr:`ChatSession.messages`, the completed messages, so a conversation can be replayed
   into a fresh chat: ``client.chat(name, history=old.messages)`` (system messages may sit inside a history).
-- **Options** (``max_tokens``, ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``) given when
-  the chat is opened are its defaults; each turn may override them. Only options given are sent (the server has its
-  own defaults). They are checked before anything is sent (:class:`ChatOptionError` names the option).
+- **Options** (``max_tokens``, ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+  ``stream_interval_ms``) given when the chat is opened are its defaults; each turn may override them. Only options
+  given are sent (the server has its own defaults). They are checked before anything is sent
+  (:class:`ChatOptionError` names the option).
+- **Streaming interval.** ``stream_interval_ms`` asks the server to merge a turn's pieces into at most one response
+  per that many milliseconds (the first piece and the last response go at once): fewer, larger pieces cost the
+  server, Triton and this client less per token, so many conversations at once decode faster. 0 streams every
+  token; not given, the model's own ``stream_interval_ms`` parameter (0 in the shipped configs) decides.
 - **Pieces.** The server streams raw bytes that may split a multi-byte UTF-8 character; they are decoded
   incrementally per turn (invalid bytes become U+FFFD), and no empty string is ever yielded.
 - **Cancelling a turn** (cancelling the task, or leaving the loop early) cancels it on the server, which rolls
@@ -66,6 +71,7 @@ from .._errors import (
     SequenceLost,
     SequenceUsageError,
 )
+from .._model import ModelSpec
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
 from .._trace import start as start_span
@@ -87,6 +93,9 @@ ROLES: Final = ("system", "user", "assistant")
 _INPUTS: Final = ("ROLE", "TEXT")
 _OUTPUTS: Final = ("PIECE", "FINISH")
 _DIGEST: Final = "DIGEST"  # optional input and output: the history digest (server._digest)
+_STREAM_INTERVAL: Final = "STREAM_INTERVAL_MS"  # optional input: the turn's stream interval
+#: The longest stream interval the server takes (its STREAM_INTERVAL_MAX_MS).
+STREAM_INTERVAL_MAX_MS: Final = 60000
 _INT32_MAX: Final = 2**31 - 1
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
@@ -175,6 +184,11 @@ def _check_seed(_: object, __: object, value: Any) -> None:
         raise ChatOptionError("seed", "an int in the int64 range", value)
 
 
+def _check_stream_interval(_: object, __: object, value: Any) -> None:
+    if value is not None and not (_is_int(value) and 0 <= int(value) <= STREAM_INTERVAL_MAX_MS):
+        raise ChatOptionError("stream_interval_ms", f"an int in 0..{STREAM_INTERVAL_MAX_MS} (0: every token)", value)
+
+
 def _to_stop(value: Iterable[str] | None) -> Any:
     # Checked here, on the value as given (a validator would see it converted). A bare string is refused:
     # tuple("###") would silently be three stops.
@@ -193,7 +207,8 @@ class ChatOptions:
     ``max_tokens`` >= 1; ``min_tokens`` >= 0, at most ``max_tokens`` (the reply may not end before that many
     tokens: for benchmarks and fixed-length replies); ``temperature`` >= 0 (0 = greedy); ``top_p`` in (0, 1];
     ``top_k`` >= 0 (0 = off); ``seed`` (same seed, same reply); ``stop``: strings the reply is cut before (an
-    empty list sends none).
+    empty list sends none); ``stream_interval_ms`` in 0..60000: at most one response per that many milliseconds
+    while the reply streams (0: one per token).
     Invalid values raise :class:`ChatOptionError` naming the option.
     """
 
@@ -204,6 +219,7 @@ class ChatOptions:
     top_k: int | None = attrs.field(default=None, validator=_check_top_k)
     seed: int | None = attrs.field(default=None, validator=_check_seed)
     stop: tuple[str, ...] | None = attrs.field(default=None, converter=_to_stop)
+    stream_interval_ms: int | None = attrs.field(default=None, validator=_check_stream_interval)
 
     def __attrs_post_init__(self) -> None:
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -231,6 +247,8 @@ class ChatOptions:
             out["SEED"] = np.array([self.seed], np.int64)
         if self.stop:
             out["STOP"] = np.array([s.encode() for s in self.stop], dtype=object)
+        if self.stream_interval_ms is not None:
+            out[_STREAM_INTERVAL] = np.array([self.stream_interval_ms], np.int32)
         return out
 
 
@@ -317,6 +335,17 @@ def _check_chat_model(model: SessionTarget) -> None:
         )
 
 
+def _check_options_fit(spec: ModelSpec, options: ChatOptions) -> None:
+    """A set option needs its input on the model: a model from before STREAM_INTERVAL_MS would refuse the request."""
+    if options.stream_interval_ms is not None and spec.input(_STREAM_INTERVAL) is None:
+        raise ChatOptionError(
+            "stream_interval_ms",
+            f"none: model {spec.name!r} takes no {_STREAM_INTERVAL} input (its config streams as it is set)",
+            options.stream_interval_ms,
+            model=spec.name,
+        )
+
+
 @attrs.frozen(kw_only=True)
 class _Settings:
     """What a chat takes that is checked without its model: options, the messages to send first, replay."""
@@ -338,11 +367,12 @@ def _settings(
     top_k: int | None,
     seed: int | None,
     stop: Sequence[str] | None,
+    stream_interval_ms: int | None,
     replay_on_loss: bool,
 ) -> _Settings:
     options = ChatOptions(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, stop=stop,
+        seed=seed, stop=stop, stream_interval_ms=stream_interval_ms,
     )
     if system is not None and not isinstance(system, str):
         raise ChatMessageError(f"system is a str; given {type(system).__name__}")
@@ -364,6 +394,7 @@ def open_chat(
     top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] | None = None,
+    stream_interval_ms: int | None = None,
     sequence_id: int | str | None = None,
     timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
     end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
@@ -383,8 +414,10 @@ def open_chat(
     _check_chat_model(model)
     settings = _settings(
         model.spec.name, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, replay_on_loss=replay_on_loss,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+        stream_interval_ms=stream_interval_ms, replay_on_loss=replay_on_loss,
     )
+    _check_options_fit(model.spec, settings.options)
     seq = open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
     return ChatSession(seq, options=settings.options, prefix=settings.prefix, replay_on_loss=settings.replay_on_loss)
 
@@ -402,6 +435,7 @@ def defer_chat(
     top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] | None = None,
+    stream_interval_ms: int | None = None,
     sequence_id: int | str | None = None,
     timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
     end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
@@ -412,12 +446,14 @@ def defer_chat(
     entered or sends its first turn, and the checks that need the model's config (a chat model?) run then."""
     settings = _settings(
         name, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, replay_on_loss=replay_on_loss,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+        stream_interval_ms=stream_interval_ms, replay_on_loss=replay_on_loss,
     )
 
     async def opened() -> SequenceSession:
         model = await fetch()
         _check_chat_model(model)
+        _check_options_fit(model.spec, settings.options)
         return open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
 
     seq = SequenceSession._deferred(name, opened)
@@ -540,6 +576,7 @@ class ChatSession:
         top_k: int | None = None,
         seed: int | None = None,
         stop: Sequence[str] | None = None,
+        stream_interval_ms: int | None = None,
         timeout_s: float | None = None,
     ) -> AsyncGenerator[str, None]:
         """Send the user message ``text`` and yield the reply as ``str`` pieces as they arrive.
@@ -551,7 +588,7 @@ class ChatSession:
         """
         options = self._options.override(
             max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop,
+            seed=seed, stop=stop, stream_interval_ms=stream_interval_ms,
         )
         if timeout_s is not None and not (_is_number(timeout_s) and 0 < float(timeout_s) < math.inf):
             raise ChatOptionError("timeout_s", "a number of seconds > 0", timeout_s, model=self._seq.model)
@@ -570,12 +607,13 @@ class ChatSession:
         top_k: int | None = None,
         seed: int | None = None,
         stop: Sequence[str] | None = None,
+        stream_interval_ms: int | None = None,
         timeout_s: float | None = None,
     ) -> ChatReply:
         """Send the user message ``text`` and return the whole reply (see :meth:`send`)."""
         pieces = self.send(
             text, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop, timeout_s=timeout_s,
+            seed=seed, stop=stop, stream_interval_ms=stream_interval_ms, timeout_s=timeout_s,
         )
         async with contextlib.aclosing(pieces):
             async for _ in pieces:
@@ -659,6 +697,7 @@ class ChatSession:
     ) -> AsyncGenerator[str, None]:
         """One try at a turn on the current sequence: send, yield its text, commit it at its final response."""
         seq = self._seq
+        _check_options_fit(seq.spec, options)  # a turn's own options, on the model the chat reached
         outgoing = (*self._pending, user)
         inputs: dict[str, object] = {
             "ROLE": np.array([m.role for m in outgoing], dtype=object),

@@ -53,7 +53,7 @@ __all__ = ["ChatModel"]
 
 _log = logging.getLogger("triton_npu_client.server")
 
-OPTION_INPUTS = ("MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED")
+OPTION_INPUTS = ("MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED", "STREAM_INTERVAL_MS")
 
 
 class ChatModel:
