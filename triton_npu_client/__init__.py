@@ -97,6 +97,7 @@ if _typing.TYPE_CHECKING:
         LocalTriton,
         default_model_repository,
         find_tritonserver,
+        write_chat_model,
     )
     from ._model import (
         ControlInput,
@@ -140,6 +141,7 @@ _LAZY: dict[str, str] = {
     "LocalTriton": "._local",
     "default_model_repository": "._local",
     "find_tritonserver": "._local",
+    "write_chat_model": "._local",
     "Model": "._client",
     "USE_CLIENT_DEFAULT": "._call",
     "TLSConfig": "._transport",
@@ -278,4 +280,5 @@ __all__ = [
     "score_sync",
     "validate_batch",
     "validate_row",
+    "write_chat_model",
 ]

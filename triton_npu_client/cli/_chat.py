@@ -3,7 +3,8 @@
 One line of input is one user message. The reply goes to stdout piece by piece; the prompt, a short stats
 line after each reply (tokens, tokens/s, time to the first token) and notices go to stderr, so stdout holds
 only the replies. Without ``--url`` an embedded ``tritonserver`` serving the packaged model is started for the
-session and stopped at the end.
+session and stopped at the end; with ``--checkpoint DIR`` it serves a chat model generated from that Hugging Face
+checkpoint folder instead (see :func:`add_checkpoint_arguments`, shared with ``triton-npu serve --chat``).
 
 Keys and exit status:
 
@@ -35,22 +36,107 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, TextIO
 
 from .._errors import TritonError, UsageError
-from .._local import LocalTriton, default_model_repository
+from .._local import (
+    CHAT_DEVICES,
+    CHAT_DTYPES,
+    CHAT_MODEL_TYPES,
+    LocalTriton,
+    chat_model_repository,
+    default_model_repository,
+)
 from ._urls import URL_HELP, add_url_argument, checked_urls
 
 if TYPE_CHECKING:
     from .._sessions import ChatReply, ChatSession
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "add_checkpoint_arguments", "checkpoint_repository", "run"]
 
 EXIT_INTERRUPTED: Final = 130
 
 _PROMPT: Final = "> "
 
 
+# The options that shape a model generated from a checkpoint, by the flag that names them (argparse dest).
+_CHECKPOINT_OPTIONS: Final = {
+    "--name": "chat_name",
+    "--max-ctx": "max_ctx",
+    "--dtype": "dtype",
+    "--device": "device",
+    "--max-cache-mb": "max_cache_mb",
+}
+
+
+def add_checkpoint_arguments(p: argparse.ArgumentParser, flag: str) -> None:
+    """``flag DIR`` (a Hugging Face checkpoint folder to serve as a chat model) and the options of that model.
+
+    The values land in ``ns.checkpoint``, ``ns.chat_name``, ``ns.max_ctx``, ``ns.dtype``, ``ns.device`` and
+    ``ns.max_cache_mb``; all None when not given (see :func:`checkpoint_repository`).
+    """
+    p.add_argument(
+        flag,
+        dest="checkpoint",
+        metavar="DIR",
+        default=None,
+        help=(
+            "serve the chat model of this Hugging Face checkpoint folder (config.json with model_type "
+            f"{', '.join(CHAT_MODEL_TYPES)}; tokenizer.json; tokenizer_config.json with a chat_template; "
+            "model.safetensors or a sharded index)"
+        ),
+    )
+    p.add_argument(
+        "--name", dest="chat_name", default=None, help=f"the model's name (default: DIR's name); needs {flag}"
+    )
+    p.add_argument(
+        "--max-ctx",
+        type=int,
+        default=None,
+        help=f"positions per conversation, at most the checkpoint's (default: the checkpoint's); needs {flag}",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        metavar="|".join(CHAT_DTYPES),
+        help=f"weights and KV cache (default auto: float32 on CPU, the checkpoint's on an accelerator); needs {flag}",
+    )
+    p.add_argument(
+        "--device", default=None, metavar="|".join(CHAT_DEVICES), help=f"the device (default auto); needs {flag}"
+    )
+    p.add_argument(
+        "--max-cache-mb",
+        type=float,
+        default=None,
+        help=f"KV-cache cap in MiB (default: the packaged model's); needs {flag}",
+    )
+
+
+def checkpoint_repository(
+    ns: argparse.Namespace, flag: str, *, prefix: str
+) -> contextlib.AbstractContextManager[tuple[Path, str]] | None:
+    """The temporary repository serving ``ns.checkpoint``, entered as (repository, model name); None without ``flag``.
+
+    Checkpoint-only options given without ``flag`` are refused now; the folder and the options when it is entered,
+    before it creates anything (enter it before starting a server). :class:`UsageError` (one line) says what is
+    wrong.
+    """
+    if ns.checkpoint is None:
+        for option, dest in _CHECKPOINT_OPTIONS.items():
+            if getattr(ns, dest) is not None:
+                raise UsageError(f"{option} shapes the model generated from a checkpoint: it needs {flag} DIR")
+        return None
+    return chat_model_repository(
+        ns.checkpoint,
+        name=ns.chat_name,
+        max_ctx=ns.max_ctx,
+        dtype=ns.dtype or "auto",
+        device=ns.device or "auto",
+        max_cache_mb=ns.max_cache_mb,
+        prefix=prefix,
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_url_argument(p, help=URL_HELP + " (default: start an embedded server)")
-    p.add_argument("--model", default="chat", help="chat model name (default: chat)")
+    p.add_argument("--model", default=None, help="chat model name (default: chat; with --checkpoint see --name)")
     p.add_argument("--system", default=None, help="system message sent with the first turn")
     p.add_argument("--max-tokens", type=int, default=None, help="most tokens per reply (default: the model's)")
     p.add_argument(
@@ -59,6 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same reply)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the embedded server")
+    add_checkpoint_arguments(p, "--checkpoint")
 
 
 class _Interrupt:
@@ -205,19 +292,35 @@ async def _session(ns: argparse.Namespace, keys: _Keys, out: TextIO, err: TextIO
     # Checked first: a bad option must not wait for an embedded server to start.
     ChatOptions(max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, temperature=ns.temperature, seed=ns.seed)
     urls = checked_urls(ns.url)
+    generated = checkpoint_repository(ns, "--checkpoint", prefix=f"triton-npu-chat-{os.getpid()}-")
+    if generated is not None and urls is not None:
+        raise UsageError("--checkpoint serves the checkpoint on an embedded server: it cannot go with --url")
+    if generated is not None and ns.model is not None:
+        raise UsageError("--model names a model the server has: with --checkpoint, name the new one with --name")
+    model: str = ns.model or "chat"
     async with contextlib.AsyncExitStack() as stack:
         url: str | tuple[str, ...] | None = urls
-        if url is None:
-            packaged = default_model_repository() / ns.model
+        if generated is not None:
+            # On the loop's thread, like the copy below; the checkpoint is checked before the folder is made.
+            repository, model = stack.enter_context(generated)
+            err.write(f"starting tritonserver for model {model!r} (checkpoint {ns.checkpoint}) ...\n")
+            err.flush()
+            # The generated config is complete: Triton's auto-complete pass would only start one more stub.
+            server = await stack.enter_async_context(
+                LocalTriton(repository, startup_timeout_s=ns.startup_timeout, auto_complete_config=False)
+            )
+            url = server.grpc_url
+        elif url is None:
+            packaged = default_model_repository() / model
             if not (packaged / "config.pbtxt").is_file():
-                raise UsageError(f"no model {ns.model!r} among the packaged server models: pass --url")
+                raise UsageError(f"no model {model!r} among the packaged server models: pass --url")
             # A repository holding only this model: the server starts much sooner than on every packaged model.
             folder = tempfile.TemporaryDirectory(prefix=f"triton-npu-chat-{os.getpid()}-")
             repository = Path(stack.enter_context(folder))
             # On the loop's thread on purpose: nothing else runs yet, and a copy in a worker thread could outlive
             # a Ctrl-C and write into the folder as it is removed.
-            shutil.copytree(packaged, repository / ns.model)
-            err.write(f"starting tritonserver for model {ns.model!r} ...\n")
+            shutil.copytree(packaged, repository / model)
+            err.write(f"starting tritonserver for model {model!r} ...\n")
             err.flush()
             server = await stack.enter_async_context(
                 LocalTriton(repository, startup_timeout_s=ns.startup_timeout)
@@ -228,7 +331,7 @@ async def _session(ns: argparse.Namespace, keys: _Keys, out: TextIO, err: TextIO
         # No deadline on a turn: an interactive reply ends when the model stops or Ctrl-C cancels it.
         chat = await stack.enter_async_context(
             client.chat(
-                ns.model, system=ns.system, max_tokens=ns.max_tokens, min_tokens=ns.min_tokens,
+                model, system=ns.system, max_tokens=ns.max_tokens, min_tokens=ns.min_tokens,
                 temperature=ns.temperature, seed=ns.seed, timeout_s=None,
             )
         )
