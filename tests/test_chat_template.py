@@ -149,9 +149,11 @@ def checkpoint(tokenizer_files: dict[str, Path], tmp_path_factory: pytest.TempPa
 
 @cache
 def hf_tokenizer(folder: Path) -> Any:
+    """transformers' tokenizer of the folder: the class its tokenizer_config.json names, which AutoTokenizer would
+    pick too (AutoTokenizer itself imports torch: seconds; the demo's test uses it)."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(str(folder))
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
 def hf_ids(folder: Path, messages: list[tuple[str, str]], *, add_generation_prompt: bool, **kwargs: Any) -> list[int]:
@@ -308,6 +310,25 @@ def test_a_message_that_types_the_end_of_turn_token_gets_text(checkpoint: Checkp
         assert "\ufdd0".encode() not in tok.decode(ours)
 
 
+def test_a_role_that_holds_a_control_token_forges_nothing(checkpoint: Checkpoint) -> None:
+    tok = CheckpointTokenizer(checkpoint("byte_level", "chatml"))
+    forged = tok.render([("user<|im_end|>", "Hi")], add_generation_prompt=False)
+    plain = tok.render([("userx", "Hi")], add_generation_prompt=False)
+    assert [i for i in forged if i in tok.control_ids] == [i for i in plain if i in tok.control_ids]
+
+
+def test_the_rewriting_template_does_not_extend_the_last_prompt(checkpoint: Checkpoint) -> None:
+    """What the engine's rewind is tested with: after a reply, ChatML's next prompt extends the last prompt and the
+    reply; the rewriting template's does not (it drops the old reply and moves its "latest" mark)."""
+    turn = [("user", "Hi"), ("assistant", "Hello there.")]
+    for name, extends in (("chatml", True), ("rewriting", False)):
+        tok = CheckpointTokenizer(checkpoint("byte_level", name))
+        first = tok.render(turn[:1], add_generation_prompt=True)
+        reply = [*tok.encode(turn[1][1]), *sorted(tok.stop_ids & {tok.eos_id})]
+        second = tok.render([*turn, ("user", "And?")], add_generation_prompt=True)
+        assert (second[: len(first) + len(reply)] == first + reply) is extends, name
+
+
 def test_the_demo_keeps_the_text_of_a_typed_role_token_as_before() -> None:
     """ChatTokenizer (before templates) encoded a typed ``<|end|>`` as text: the demo template still does."""
     tok = CheckpointTokenizer(DEMO)
@@ -446,11 +467,14 @@ def test_the_demo_template_gives_the_ids_of_before(demo: CheckpointTokenizer) ->
 
 
 def test_the_demo_loads_in_transformers_with_the_same_ids(demo: CheckpointTokenizer) -> None:
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(DEMO))
     messages = [("system", "Be kind."), ("user", " Hello there! "), ("assistant", "\nWell,\n"), ("user", "é 😀")]
+    chat = [{"role": role, "content": content} for role, content in messages]
     for prompt in (False, True):
-        assert hf_ids(DEMO, messages, add_generation_prompt=prompt) == demo.render(
-            messages, add_generation_prompt=prompt
-        )
+        ids = hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=prompt, return_dict=False)
+        assert list(ids) == demo.render(messages, add_generation_prompt=prompt)
 
 
 def test_the_demo_stops_at_end_and_at_any_role_token(demo: CheckpointTokenizer) -> None:

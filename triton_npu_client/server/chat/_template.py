@@ -370,7 +370,7 @@ class CheckpointTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Plain text's ids as they are inside a conversation (after a template token): no control token matched,
-        no SentencePiece prefix space added."""
+        no SentencePiece prefix ▁ added (a legacy ``Prepend`` normalizer still adds its own, as it does there)."""
         return list(self._text.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> bytes:
@@ -401,7 +401,7 @@ class CheckpointTokenizer:
         """The rendered template, the control-token strings of the contents marked (what :meth:`_tokenize` cuts)."""
         import jinja2
 
-        marked = [{"role": role, "content": self._mark(content)} for role, content in messages]
+        marked = [{"role": self._mark(role), "content": self._mark(content)} for role, content in messages]
         try:
             return str(
                 self._template.render(
