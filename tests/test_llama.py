@@ -221,6 +221,24 @@ def test_explicit_positions_rewind_a_row(references: dict[str, Reference]) -> No
     assert torch.allclose(out[1], uncached(model, [*other, 5, 6]), atol=TOL, rtol=0)
 
 
+def test_shared_prefix_blocks_give_the_logits_of_a_whole_prefill(references: dict[str, Reference]) -> None:
+    """A second conversation opening with the same 40 tokens takes their two full blocks by reference."""
+    model = references["llama-llama3"].model
+    vocab = model.vocab_size
+    system = prompt(40, 40, vocab)
+    cache = cache_for(model)
+    first = cache.new_table()
+    model.forward(cache, [first], torch.tensor([system + prompt(41, 5, vocab)]))
+    second = cache.new_table()
+    ids = system + prompt(42, 7, vocab)
+    held = cache.adopt_prefix(second, ids)
+    assert held == 32
+    assert cache.shared_hits == 2
+    out = model.forward(cache, [second], torch.tensor([ids[held:]]))
+    assert torch.allclose(out[0], uncached(model, ids), atol=TOL, rtol=0)
+    assert second.length == len(ids)
+
+
 def test_sharded_checkpoint_equals_unsharded(tmp_path: Path) -> None:
     one = write_tiny_llama(tmp_path / "one", "qwen2", seed=5)
     two = write_tiny_llama(tmp_path / "two", "qwen2", seed=5, shards=3)
