@@ -35,7 +35,7 @@ if _typing.TYPE_CHECKING:
     from ._markers import SEQUENCE_BUSY
     from ._model import RunningStatsModel
     from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
-    from .chat._chat import ChatEngine, ChatMessage, ChatResponse, ChatTokenizer, ChatTurn, TurnOptions
+    from .chat._chat import ChatEngine, ChatMessage, ChatResponse, ChatTurn, TurnOptions
     from .chat._chat_model import ChatModel
     from .chat._decoders import load_decoder
     from .chat._gpt2 import GPT2, GPT2Config, GPT2Layer, load_gpt2
@@ -43,6 +43,7 @@ if _typing.TYPE_CHECKING:
     from .chat._llama import Llama, LlamaConfig, LlamaLayer, RopeScaling, load_llama
     from .chat._llama import forward as llama_forward
     from .chat._paged import BlockTable, CacheFull, PagedKVCache
+    from .chat._template import ChatTemplateError, CheckpointTokenizer
     from .encoder._bert import BERT, BertConfig, load_bert, sentence_embeddings
     from .encoder._encoder import (
         EncoderModel,
@@ -64,7 +65,8 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "ChatEngine": "chat._chat",
     "ChatMessage": "chat._chat",
     "ChatResponse": "chat._chat",
-    "ChatTokenizer": "chat._chat",
+    "CheckpointTokenizer": "chat._template",
+    "ChatTemplateError": "chat._template",
     "ChatTurn": "chat._chat",
     "TurnOptions": "chat._chat",
     "ChatModel": "chat._chat_model",
@@ -149,7 +151,8 @@ __all__ = [
     "ChatMessage",
     "ChatModel",
     "ChatResponse",
-    "ChatTokenizer",
+    "ChatTemplateError",
+    "CheckpointTokenizer",
     "ChatTurn",
     "DeviceChoice",
     "EncoderModel",

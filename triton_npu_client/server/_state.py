@@ -174,6 +174,25 @@ class SequenceSlots:
         self._free.append(slot)
         return True
 
+    def evict_idlest(self, protected: Iterable[CorrelationId] = (), *, why: str) -> bool:
+        """Free the sequence idle longest, if it has idled at least ``evict_min_idle_s`` and is not ``protected``.
+
+        For a model whose memory, not its count of sequences, runs out (a paged KV cache): the same rule as an
+        eviction at the cap, the longest-idle sequence gives way first. False when none may (or eviction is off).
+        """
+        if self.evict_min_idle_s is None:
+            return False
+        now = self._clock()
+        kept = set(protected)
+        for key, seen in self._last_seen.items():
+            if seen > now - self.evict_min_idle_s:
+                return False
+            if key not in kept:
+                self.evicted += 1
+                self.release(key, why=f"{why} ({now - seen:.3g} s idle)")
+                return True
+        return False
+
     def _evict(self, now: float, protected: set[CorrelationId]) -> bool:
         """Free the slot of the longest-idle sequence idle at least ``evict_min_idle_s`` (not protected)."""
         if self.evict_min_idle_s is None:

@@ -1,40 +1,51 @@
-"""A chat engine: GPT-2 conversations whose KV caches stay on the device, decoded together, streamed piece by piece.
+"""A chat engine: conversations whose KV caches stay on the device, decoded together, streamed piece by piece.
 
 It plugs into :class:`~.._generate.StepLoop` as its three callbacks:
 
-- ``admit`` (a turn arrives): parse it, fit it into the context, prefill only the tokens the
-  conversation's cache does not hold yet, keep the logits of the last position;
-- ``step`` (one pass): sample one token for every generating conversation, then run *one* batched
-  decode forward for all that go on; a turn that arrived meanwhile joins at the next pass;
+- ``admit`` (a turn arrives): fit it into the context, prefill only the tokens the conversation's
+  cache does not hold yet (nor a registered prefix another conversation already computed), keep the
+  logits of the last position;
+- ``step`` (one pass): sample one token for every generating conversation on the device, then run *one*
+  batched decode forward for all that go on; a turn that arrived meanwhile joins at the next pass;
 - ``on_exit``: free the conversation on END; a turn that did not finish normally is rolled back.
 
-**What a conversation is.** Its history is a list of token ids (``Conversation.ids``) built by the
-chat template: each message is ``<|role|> text <|end|>``, and a turn's prompt ends with
-``<|assistant|>``. The KV cache of its slot holds the keys and values of a prefix of some token list
-(``Conversation.cached``, mirrored on the host as ids, never as tensors). At every turn the engine
-prefills from the first position where the cache and the wanted history differ, so every rule below
-costs a rewind plus a prefill of what changed, and usually nothing but the new turn:
+The decoder is any of the chat folder's (GPT-2, the Llama family: ``_decoders.load_decoder``) and the KV cache
+is paged (``_paged``): each conversation holds blocks in proportion to its length, and equal prefixes (a system
+prompt, a replayed history) are computed once and shared.
 
-- After a reply the history holds the *text the client received* re-encoded (``encode(text)``), then
-  ``<|end|>``: a conversation replayed from its text as the first turn of a fresh one gives exactly
-  the same tokens. When the generated ids are the text's own encoding (the usual case) the cache
-  already holds them and only ``<|end|>`` is prefilled next turn.
+**What a conversation is.** Its history is a list of messages (``Conversation.messages``: role and text) that
+the checkpoint's own chat template (``_template.CheckpointTokenizer.render``) turns into token ids. Its block
+table holds the keys and values of a prefix of some token list (``BlockTable.ids``). At every turn the engine
+renders the whole conversation plus the new messages and prefills from the first position where the table and
+the rendering differ, so every rule below costs a rewind plus a prefill of what changed, and usually nothing
+but the new turn. That also makes any template exact: one that renders earlier turns differently once a new
+turn follows (drops old reasoning, moves a system prompt) is met by a rewind to the first differing token.
+
+- After a reply the history holds the *text the client received* as the assistant's message: a conversation
+  replayed from its text as the first turn of a fresh one gives exactly the same tokens. When the generated
+  ids are what the template renders for that text (the usual case) the table already holds them and only the
+  template's end of turn is prefilled next turn.
 - A cancelled or failed turn is rolled back: the history is what it was before the turn (neither the
   user message nor the partial reply stay); the cache is rewound lazily at the next turn.
 - Context overflow: when the history, the new messages and ``max_tokens`` do not fit in ``max_ctx``,
-  the oldest messages are dropped (leading system messages are kept) and the rest is prefilled
-  again; a turn too long even alone is refused with a clear error. If a reply still reaches the end
-  of the context it finishes with ``"context"``.
+  the oldest messages are dropped (leading system messages are kept; what remains starts at a user
+  message, as strict templates require) and the rest is prefilled again; a turn too long even alone is
+  refused with a clear error. If a reply still reaches the end of the context it finishes with ``"context"``.
+- Memory: a conversation that needs a block when the pool has none makes the longest-idle conversation (not
+  generating, idle at least ``evict_min_idle_s``) give way; if none may, a new turn is refused as over
+  capacity and a generating reply finishes with ``"context"``.
 - History digest: each conversation keeps ``digest`` (a chain over its committed turns, see ``_digest``)
   and can undo its last committed turn once. A turn that carries the client's digest proceeds when it
   matches, rolls the last turn back first when it matches the digest before it (the client never saw
   that turn end), and is refused as an unknown sequence otherwise.
 
 Isolation: :meth:`ChatEngine.parse` (execute threads) checks every input against :class:`InputLimits` on
-its raw byte length before decoding it, and tokenises the messages, so the loop's thread never touches
-an oversized input and never tokenises a request's messages. ``step`` and ``admit`` may be called again on
-part of a batch after they raised (the StepLoop then looks for the stream that fails): ``step`` changes
-nothing it cannot undo before its last operation that may raise, and ``admit`` is idempotent.
+its raw byte length before decoding it, and renders the conversation (the template and the tokenizer) against
+a snapshot of its committed history, so the loop's thread, which decodes for every conversation, renders only
+when that history changed in between (rare: a turn that ended meanwhile, a digest roll back). ``step`` and
+``admit`` may be called again on part of a batch after they raised (the StepLoop then looks for the stream that
+fails): ``step`` changes nothing it cannot undo before its last operation that may raise, and ``admit`` is
+idempotent.
 
 The engine knows nothing of Triton: responses and refusals are built by callbacks the model gives
 (``respond``, ``refuse``), so it is tested as plain Python. torch and tokenizers are imported lazily.
@@ -42,38 +53,61 @@ The engine knows nothing of Triton: responses and refusals are built by callback
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 from .._controls import CorrelationId, SequenceControls
 from .._digest import EMPTY, history_digest
 from .._generate import ExitReason, StepOutput, Stream
 from .._markers import SEQUENCE_UNKNOWN
 from .._state import SequenceSlots
-from ._gpt2 import GPT2, KVCache
-from ._gpt2 import forward as gpt2_forward
+from ._paged import BlockTable, CacheFull, PagedKVCache
 
 if TYPE_CHECKING:
     import torch
+
+    from ._template import CheckpointTokenizer
+
+
+class Decoder(Protocol):
+    """What the engine needs of a decoder (``_gpt2.GPT2``, ``_llama.Llama``)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_positions(self) -> int: ...
+
+    def forward(
+        self,
+        cache: PagedKVCache,
+        tables: Sequence[BlockTable],
+        tokens: torch.Tensor,
+        positions: Sequence[int] | None = None,
+        *,
+        all_logits: bool = False,
+    ) -> torch.Tensor: ...
 
 __all__ = [
     "ChatEngine",
     "ChatMessage",
     "ChatResponse",
-    "ChatTokenizer",
     "ChatTurn",
     "Conversation",
+    "Decoder",
     "Finish",
     "GREEDY_BELOW",
     "InputLimits",
     "TurnOptions",
-    "kv_bytes_per_position",
 ]
 
 ROLES: Final = ("system", "user", "assistant")
@@ -173,98 +207,48 @@ class ChatResponse:
     digest: str = EMPTY
 
 
-def _byte_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for every byte value, inverted: character -> byte.
-
-    Byte-level tokenizers (GPT-2's scheme) spell each byte as a visible character: the printable
-    Latin-1 bytes as themselves, the other 68 (controls, space, soft hyphen...) as U+0100 onwards, in
-    byte order.
-    """
-    visible = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table = {chr(b): b for b in visible}
-    extra = 0
-    for b in range(256):
-        if b not in table.values():
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
-
-
-class ChatTokenizer:
-    """A byte-level BPE ``tokenizer.json`` (the ``tokenizers`` library) plus the chat template's special tokens."""
-
-    SPECIAL: Final = ("<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
-
-    def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer
-
-        path = Path(path)
-        self._tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
-        # Text is text: a user who types "<|end|>" gets those characters, never the special token (which would
-        # let a message forge the end of a turn or another role's message).
-        self._tok.encode_special_tokens = True
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        missing = [t for t in self.SPECIAL if t not in vocab]
-        if missing:
-            raise ValueError(f"{path}: the tokenizer lacks the chat template's special tokens {missing}")
-        self.end_id = vocab["<|end|>"]
-        self.role_ids = {role: vocab[f"<|{role}|>"] for role in ROLES}
-        # A reply ends at <|end|>, or where the model starts another message on its own.
-        self.stop_ids = frozenset({self.end_id, *self.role_ids.values()})
-        self.vocab_size = max(vocab.values()) + 1
-        alphabet = _byte_alphabet()
-        special = {t.content for t in self._tok.get_added_tokens_decoder().values()}
-        # Each token's raw bytes, so that a reply streams as bytes with no decode step that could
-        # split a character; special tokens carry no text.
-        self.token_bytes: list[bytes] = [b""] * self.vocab_size
-        for token, index in vocab.items():
-            if token in special:
-                continue
-            try:
-                self.token_bytes[index] = bytes(alphabet[c] for c in token)
-            except KeyError:
-                raise ValueError(f"{path}: token {token!r} is not byte-level BPE") from None
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def encode_message(self, message: ChatMessage) -> list[int]:
-        return [self.role_ids[message.role], *self.encode(message.text), self.end_id]
-
-    def decode(self, ids: Iterable[int]) -> bytes:
-        return b"".join(self.token_bytes[i] for i in ids)
+Messages = tuple[tuple[str, str], ...]  # (role, text), oldest first
 
 
 @dataclass(frozen=True, slots=True)
 class _Committed:
     """A conversation's history as it was before its last committed turn: what undoing that turn restores."""
 
-    ids: list[int]
-    spans: list[tuple[int, int]]
+    messages: Messages
     pinned: int
     digest: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Rendered:
+    """A turn's prompt: the conversation's kept messages plus the turn's, and their ids in the chat template."""
+
+    version: int  # the history version it was rendered from (-1: a START, no history)
+    messages: Messages  # what the history becomes before the reply (oldest dropped to fit)
+    pinned: int  # leading system messages, never dropped
+    dropped: int
+    ids: list[int]  # the template's ids, ending with its generation prompt
+
+
 @dataclass(eq=False)
 class Conversation:
-    """One conversation's history (token ids, message boundaries, digest) and what its slot's cache holds."""
+    """One conversation: its messages, digest and block table (the cache's record of what it holds)."""
 
-    ids: list[int] = field(default_factory=list)
-    # (start, end) of each message in ids, oldest first; the leading `pinned` ones (system) are never dropped.
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    pinned: int = 0
-    # The ids whose keys and values the slot's cache holds, in order (len == cache.lengths[slot]).
-    cached: list[int] = field(default_factory=list)
+    table: BlockTable
+    messages: Messages = ()
+    pinned: int = 0  # the leading `pinned` messages (system) are never dropped
     digest: str = EMPTY
+    # A new value whenever `messages` changes, unique across the engine's conversations (a START that restarts a
+    # sequence must not match a prompt rendered against the conversation it replaced).
+    version: int = 0
     undo: _Committed | None = None  # the history before the last committed turn; None once used or when none
 
-    def roll_back(self) -> None:
+    def roll_back(self, version: int) -> None:
         """Undo the last committed turn (the cache is rewound lazily, at the next prefill)."""
         assert self.undo is not None
-        self.ids, self.spans, self.pinned, self.digest = (
-            self.undo.ids, self.undo.spans, self.undo.pinned, self.undo.digest
-        )
+        self.messages, self.pinned, self.digest = self.undo.messages, self.undo.pinned, self.undo.digest
         self.undo = None
+        self.version = version
 
 
 @dataclass(eq=False)
@@ -275,16 +259,14 @@ class ChatTurn:
     end: bool
     messages: tuple[ChatMessage, ...]
     options: TurnOptions | None  # None: END with no messages, a close
-    # Each message's template ids, made by parse on an execute thread (None: admit encodes them).
-    encoded: tuple[list[int], ...] | None = None
+    # The prompt, rendered by parse on an execute thread against the history it saw (None: admit renders it).
+    rendered: _Rendered | None = None
     digest: str | None = None  # the client's digest of the history it believes the server holds; None: unchecked
     # Set by admit.
+    key: CorrelationId | None = None
     slot: int = -1
-    history: list[int] = field(default_factory=list)  # the conversation's ids after this turn's prompt
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    pinned: int = 0
+    prompt: _Rendered | None = None  # the prompt this turn runs with
     prompt_tokens: int = 0
-    dropped: int = 0
     logits: torch.Tensor | None = None  # of the last position: what the next token is sampled from
     generator: torch.Generator | None = None
     # Set by step.
@@ -295,31 +277,26 @@ class ChatTurn:
     finish: Finish = ""
 
 
-def kv_bytes_per_position(model: GPT2) -> int:
-    """Bytes one position of one conversation takes in the KV cache (keys and values, every layer)."""
-    config = model.config
-    return 2 * config.n_layer * config.n_embd * model.wte.element_size()
-
-
 class ChatEngine:
-    """Conversations on one GPT-2 and one KV cache; the callbacks of a StepLoop. See the module docstring.
+    """Conversations on one decoder and one paged KV cache; the callbacks of a StepLoop. See the module docstring.
 
     ``respond(response)`` turns a :class:`ChatResponse` into what the sender sends; ``refuse(kind,
-    message)`` builds an error response (``kind``: "invalid", "capacity" or "unknown"). ``slots`` (the
-    live-conversation map) must have ``capacity`` equal to the cache's slots. ``stateless``: each request is
-    a whole conversation (started and ended by itself), as for a model without sequence batching.
-    Every method but the constructor runs on the loop's thread.
+    message)`` builds an error response (``kind``: "invalid", "capacity" or "unknown"). ``slots`` is the
+    live-conversation map (its capacity caps the conversations; the cache's blocks cap their memory).
+    ``max_ctx`` caps one conversation's positions (default: the model's). Every method but the constructor and
+    :meth:`parse` runs on the loop's thread.
     """
 
     def __init__(
         self,
-        model: GPT2,
-        tokenizer: ChatTokenizer,
-        cache: KVCache,
+        model: Decoder,
+        tokenizer: CheckpointTokenizer,
+        cache: PagedKVCache,
         slots: SequenceSlots,
         *,
         respond: Callable[[ChatResponse], Any],
         refuse: Callable[[RefusalKind, str], Any],
+        max_ctx: int | None = None,
         default_max_tokens: int = 64,
         stream_interval_s: float = 0.0,
         limits: InputLimits | None = None,
@@ -328,16 +305,16 @@ class ChatEngine:
     ) -> None:
         if slots.on_release is not None:
             raise ValueError("slots already has an on_release hook: one SequenceSlots serves one engine")
-        if slots.capacity != cache.slots:
-            raise ValueError(f"slots.capacity {slots.capacity} != cache slots {cache.slots}")
-        if tokenizer.vocab_size > model.config.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}"
-            )
+        if tokenizer.vocab_size > model.vocab_size:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {model.vocab_size}")
+        max_ctx = model.max_positions if max_ctx is None else max_ctx
+        if not 0 < max_ctx <= model.max_positions:
+            raise ValueError(f"max_ctx must be in 1..{model.max_positions} (the model's positions), not {max_ctx}")
         self.model = model
         self.tokenizer = tokenizer
         self.cache = cache
         self.slots = slots
+        self.max_ctx = max_ctx
         self.default_max_tokens = default_max_tokens
         self.stream_interval_s = stream_interval_s
         self.limits = InputLimits() if limits is None else limits
@@ -347,10 +324,17 @@ class ChatEngine:
         self._on_thread = on_thread
         self._thread_ready: int | None = None
         self._conversations: dict[int, Conversation] = {}
-        # The slots are the one truth of which conversation holds which slot: whatever frees one (END, the idle
-        # sweep, an eviction, a restart by START) comes through here, and the conversation and its cache go.
+        # Each live conversation's committed history, as parse (on execute threads) reads it to render a turn
+        # ahead of admission: (version, messages, pinned). Written on the loop's thread only; a dict item read or
+        # write is atomic, and admit re-renders a turn whose version is stale.
+        self._histories: dict[CorrelationId, tuple[int, Messages, int]] = {}
+        self._versions = itertools.count(1)
+        # The slots are the one truth of which conversation is live: whatever frees one (END, the idle sweep, an
+        # eviction, a restart by START) comes through here, and the conversation and its blocks go.
         slots.on_release = self._on_release
-        self._per_position = kv_bytes_per_position(model)
+        self._per_position = cache.block_bytes // cache.block_size
+        # Stop ids as a device tensor, for MIN_TOKENS masking without a host copy per pass.
+        self._stop_list = sorted(tokenizer.stop_ids)
         # Counters, for tests and logs.
         self.prefilled_tokens = 0
         self.decode_passes = 0
@@ -359,17 +343,17 @@ class ChatEngine:
     # -- what the outputs report ----------------------------------------------------------------------
 
     @property
-    def max_ctx(self) -> int:
-        return self.cache.max_ctx
-
-    @property
     def live(self) -> int:
         return self.slots.live
 
     @property
     def kv_bytes(self) -> int:
-        """KV-cache bytes that live conversations hold (positions in use)."""
-        return sum(self.cache.lengths[s] for s in self.slots.held().values()) * self._per_position
+        """KV-cache bytes of the positions live conversations hold, a shared block counted once.
+
+        Memory is taken by whole blocks, so a conversation's memory is up to ``block_size - 1`` positions more.
+        """
+        held = sum(self._conversations[s].table.length for s in self.slots.held().values() if s in self._conversations)
+        return (held - self.cache.shared_positions) * self._per_position
 
     # -- parsing (execute threads) ---------------------------------------------------------------------
 
@@ -389,8 +373,12 @@ class ChatEngine:
         stop: Sequence[bytes | str] = (),
         digest: bytes | str | None = None,
         stream_interval_ms: int | None = None,
+        key: CorrelationId | None = None,
     ) -> ChatTurn:
-        """Build one request's job from its inputs, its messages tokenised; ``ValueError`` naming the input.
+        """Build one request's job from its inputs, its prompt rendered; ``ValueError`` naming the input.
+
+        ``key``: the conversation's sequence id, whose committed history the prompt is rendered against (None, or
+        a START: the turn's messages alone).
 
         Sizes are checked against :attr:`limits` on raw byte lengths before anything is decoded.
         ``stream_interval_ms`` (STREAM_INTERVAL_MS) overrides the engine's stream interval for this turn.
@@ -456,11 +444,18 @@ class ChatEngine:
             stop=tuple(s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in stop),
             stream_interval_s=None if stream_interval_ms is None else int(stream_interval_ms) / 1000,
         )
-        # Tokenised here, on the execute thread: the loop's thread, which decodes for every conversation, never
-        # spends time on one request's text.
-        encoded = tuple(self.tokenizer.encode_message(m) for m in messages)
+        # Rendered here, on an execute thread: the loop's thread, which decodes for every conversation, does not
+        # spend time on one request's text (unless the history changes before admission: then admit renders).
+        history = None if start or key is None else self._histories.get(key)
+        version, past, pinned = (-1, (), 0) if history is None else history
+        rendered: _Rendered | None
+        try:
+            rendered = self._render(version, past, pinned, tuple(messages), options)
+        except _TurnRefused:
+            # Refused at admission, where a START still opens its conversation (Triton holds the sequence).
+            rendered = None
         return ChatTurn(
-            start=start, end=end, messages=tuple(messages), options=options, encoded=encoded, digest=client_digest
+            start=start, end=end, messages=tuple(messages), options=options, rendered=rendered, digest=client_digest
         )
 
     # -- StepLoop callbacks (loop thread) -----------------------------------------------------------------
@@ -494,15 +489,18 @@ class ChatEngine:
                 continue
             stream = new[row]
             turn = stream.job
+            turn.key = stream.key
             conv = self._conversations.get(slot)
             if conv is None:
-                conv = self._conversations[slot] = Conversation()
+                conv = Conversation(table=self.cache.new_table(), version=next(self._versions))
+                self._conversations[slot] = conv
             turn.slot = slot
             if not turn.start and turn.digest is not None and turn.digest != conv.digest:
                 if conv.undo is not None and turn.digest == conv.undo.digest:
                     # The client never saw the last turn end (it cancelled, or timed out, after the server
                     # finished it): both sides agree once it is undone.
-                    conv.roll_back()
+                    conv.roll_back(next(self._versions))
+                    self._histories[stream.key] = (conv.version, conv.messages, conv.pinned)
                 else:
                     verdicts[row] = self._refuse(
                         "unknown",
@@ -513,17 +511,17 @@ class ChatEngine:
                         self._release(stream.key)  # Triton ends the sequence with this request whatever we answer
                     continue
             try:
-                self._prefill(turn, conv)
+                self._prefill(turn, conv, protected={s.key for s in (*new, *running)})
             except _TurnRefused as err:
-                verdicts[row] = self._refuse("invalid", str(err))
+                verdicts[row] = self._refuse(err.kind, str(err))
                 if turn.end:
                     self._release(stream.key)
         # END with no messages: report the conversation as it stands, then free it (no step).
         for row, closing in plan.closes.items():
             if row >= len(new):
                 continue
-            context = 0 if closing is None else self.cache.lengths[closing]
             conv = None if closing is None else self._conversations.get(closing)
+            context = 0 if conv is None else conv.table.length
             digest = EMPTY if conv is None else conv.digest
             self._release(new[row].key)
             verdicts[row] = self._respond(self._response(b"", "closed", 0, 0, context, 0, digest=digest))
@@ -533,7 +531,8 @@ class ChatEngine:
         """One token for every due turn, then one batched forward for the turns that go on.
 
         Safe to call again on any part of ``due`` after it raised: the generators sampling advanced and the
-        replies are put back as they were, and nothing else changes before the forward's last write.
+        replies are put back as they were, and nothing else changes before the forward's last write (blocks
+        a turn reserved to grow stay reserved, and reserving them again takes nothing).
         """
         import torch
 
@@ -546,7 +545,7 @@ class ChatEngine:
         generators = [(t.generator, t.generator.get_state()) for t in turns if t.generator is not None]
         before = [(len(t.reply_ids), bytes(t.reply[t.sent :])) for t in turns]
         try:
-            self._advance(logits, turns)
+            self._advance(logits, turns, protected={s.key for s in due})
         except BaseException:
             for generator, state in generators:
                 generator.set_state(state)
@@ -558,31 +557,36 @@ class ChatEngine:
         # Nothing below raises: the step is decided.
         return self._emit(turns)
 
-    def _advance(self, logits: torch.Tensor, turns: list[ChatTurn]) -> list[ChatTurn]:
-        """Sample a token for each turn, extend its reply, then decode the turns that go on; return those."""
+    def _advance(self, logits: torch.Tensor, turns: list[ChatTurn], protected: set[CorrelationId]) -> None:
+        """Sample a token for each turn, extend its reply, then decode the turns that go on."""
         tokens = self._sample(logits, turns)
         going: list[ChatTurn] = []
         for turn, token in zip(turns, tokens, strict=True):
             options = turn.options
             assert options is not None
+            table = self._table(turn)
             if token in self.tokenizer.stop_ids:
                 turn.finish = "stop"
             else:
                 turn.reply_ids.append(token)
-                turn.reply += self.tokenizer.token_bytes[token]
+                turn.reply += self._piece(token, first=len(turn.reply_ids) == 1)
                 cut = _find_stop(turn.reply, options.stop, turn.sent)
                 if cut is not None:
                     del turn.reply[cut:]
                     turn.finish = "stop_string"
                 elif len(turn.reply_ids) >= options.max_tokens:
                     turn.finish = "length"
-                elif self.cache.lengths[turn.slot] >= self.cache.max_ctx:
+                elif table.length >= self.max_ctx or not self._grow(table, protected):
+                    # The end of the context, or no block to grow into (see the module docstring).
                     turn.finish = "context"
             if not turn.finish:
                 going.append(turn)
         if going:
             self._decode(going)
-        return going
+
+    def _piece(self, token: int, *, first: bool) -> bytes:
+        # A reply's first token may carry the SentencePiece space its decoder drops at the start of a text.
+        return self.tokenizer.decode([token]) if first else self.tokenizer.token_bytes[token]
 
     def _emit(self, turns: list[ChatTurn]) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -652,63 +656,90 @@ class ChatEngine:
         self.slots.release(key)
 
     def _on_release(self, key: CorrelationId, slot: int) -> None:
-        self._conversations.pop(slot, None)
-        self.cache.reset(slot)
+        conv = self._conversations.pop(slot, None)
+        self._histories.pop(key, None)
+        if conv is not None:
+            self.cache.release(conv.table)
 
-    def _prefill(self, turn: ChatTurn, conv: Conversation) -> None:
-        """Fit the turn into the context, then prefill what the slot's cache lacks; keep the last logits."""
+    def _table(self, turn: ChatTurn) -> BlockTable:
+        return self._conversations[turn.slot].table
+
+    def _render(
+        self, version: int, past: Messages, pinned: int, new: tuple[ChatMessage, ...], options: TurnOptions
+    ) -> _Rendered:
+        """The prompt of a turn adding ``new`` to the history ``past``: oldest messages dropped until it fits.
+
+        What stays: the leading ``pinned`` system messages (and, in a first turn, the turn's own leading system
+        messages), then the most recent messages from a user message on (strict templates require a user message
+        after the system ones), then the turn's last message. Room is left for ``max_tokens`` of reply, or for
+        what the context has left once the kept part is in. :class:`_TurnRefused` when even that does not fit.
+        """
+        added = tuple((m.role, m.text) for m in new)
+        extra = 0
+        if not past:
+            # A conversation's leading system messages stay whatever else is dropped.
+            while extra < len(added) - 1 and added[extra][0] == "system":
+                extra += 1
+        kept = past[:pinned] + added[:extra]
+        droppable = past[pinned:] + added[extra:-1]
+        last = added[-1:]
+
+        def render(messages: Messages) -> list[int]:
+            try:
+                return self.tokenizer.render(messages, add_generation_prompt=True)
+            except ValueError as err:
+                raise _TurnRefused("invalid", str(err)) from None
+
+        ids = render(kept + droppable + last)
+        if len(ids) + options.max_tokens <= self.max_ctx:
+            return _Rendered(version=version, messages=kept + droppable + last, pinned=len(kept), dropped=0, ids=ids)
+        fixed = len(render(kept + last))
+        if fixed + 1 > self.max_ctx:
+            raise _TurnRefused(
+                "invalid",
+                f"the turn needs {fixed} tokens (system messages, the user message and the reply's start) but the "
+                f"context holds {self.max_ctx}; shorten the message",
+            )
+        limit = self.max_ctx - min(options.max_tokens, self.max_ctx - fixed)
+        # Where the kept part may begin: at a user message, or after every droppable one.
+        cuts = [k for k, (role, _) in enumerate(droppable) if role == "user" and k > 0] + [len(droppable)]
+        if len(ids) <= limit:
+            cuts = [0]
+        # The fewest messages dropped that fit; lengths shrink as more is dropped, so a binary search finds it.
+        lo, hi = 0, len(cuts) - 1
+        found: tuple[int, list[int]] | None = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            trial = render(kept + droppable[cuts[mid] :] + last) if cuts[mid] else ids
+            if len(trial) <= limit:
+                found, hi = (cuts[mid], trial), mid - 1
+            else:
+                lo = mid + 1
+        if found is None:
+            found = (len(droppable), render(kept + last))
+        k, ids = found
+        messages = kept + droppable[k:] + last
+        return _Rendered(version=version, messages=messages, pinned=len(kept), dropped=k, ids=ids)
+
+    def _prefill(self, turn: ChatTurn, conv: Conversation, protected: set[CorrelationId]) -> None:
+        """Render the turn (unless parse did, against this history), then prefill what the table lacks."""
         import torch
 
         options = turn.options
         assert options is not None
-        if turn.encoded is not None:
-            new = list(turn.encoded)
-        else:
-            new = [self.tokenizer.encode_message(m) for m in turn.messages]
-        # The messages this turn may drop, oldest first: the conversation's, then all but the last of its own.
-        pinned_spans = conv.spans[: conv.pinned]
-        pinned = [conv.ids[a:b] for a, b in pinned_spans]
-        droppable = [conv.ids[a:b] for a, b in conv.spans[conv.pinned :]]
-        extra_pinned = 0
-        if not conv.spans:
-            # A conversation's leading system messages stay whatever else is dropped.
-            while extra_pinned < len(turn.messages) - 1 and turn.messages[extra_pinned].role == "system":
-                extra_pinned += 1
-        pinned += new[:extra_pinned]
-        droppable += new[extra_pinned:-1]
-        last = new[-1]
-        fixed = sum(map(len, pinned)) + len(last) + 1  # + <|assistant|>
-        if fixed + 1 > self.max_ctx:
-            raise _TurnRefused(
-                f"the turn needs {fixed} tokens (system messages, the user message and the reply's start) but the "
-                f"context holds {self.max_ctx}; shorten the message"
-            )
-        room = self.max_ctx - fixed - min(options.max_tokens, self.max_ctx - fixed)
-        kept_from = 0
-        total = sum(map(len, droppable))
-        while total > room and kept_from < len(droppable):
-            total -= len(droppable[kept_from])
-            kept_from += 1
-        turn.dropped = kept_from
-        messages = [*pinned, *droppable[kept_from:], last]
-        ids: list[int] = []
-        spans: list[tuple[int, int]] = []
-        for m in messages:
-            spans.append((len(ids), len(ids) + len(m)))
-            ids += m
-        turn.history = [*ids, self.tokenizer.role_ids["assistant"]]
-        turn.spans = spans
-        turn.pinned = len(pinned)
-
-        # Prefill from the first position where the cache differs from the wanted history.
-        slot = turn.slot
-        common = _common_prefix(conv.cached, turn.history)
-        if common == len(turn.history):
-            common -= 1  # the last position's logits are needed again
-        todo = turn.history[common:]
-        tokens = torch.tensor([todo], dtype=torch.long)
-        logits = gpt2_forward(self.model, self.cache, [slot], tokens, [common])
-        conv.cached[common:] = todo
+        rendered = turn.rendered
+        version = -1 if turn.start else conv.version
+        if rendered is None or rendered.version != version or (turn.start and conv.messages):
+            rendered = self._render(version, conv.messages, conv.pinned, turn.messages, options)
+        turn.prompt = rendered
+        ids = rendered.ids
+        table = conv.table
+        # What the table holds of the prompt already, or can take from a registered prefix: never the last
+        # position, whose logits are needed.
+        start = min(self.cache.adopt_prefix(table, ids), len(ids) - 1)
+        self._reserve(table, start, len(ids), protected, new=True)
+        todo = ids[start:]
+        logits = self.model.forward(self.cache, [table], torch.tensor([todo], dtype=torch.long), [start])
         self.prefilled_tokens += len(todo)
         turn.prompt_tokens = len(todo)
         turn.logits = logits[0]
@@ -717,81 +748,128 @@ class ChatEngine:
             generator.manual_seed(options.seed if options.seed is not None else int.from_bytes(os.urandom(8), "little"))
             turn.generator = generator
 
+    def _reserve(self, table: BlockTable, start: int, end: int, protected: set[CorrelationId], *, new: bool) -> None:
+        """Reserve positions, making idle conversations give way when the pool is out of blocks."""
+        while True:
+            try:
+                self.cache.reserve(table, start, end)
+                return
+            except CacheFull as full:
+                if self.slots.evict_idlest(
+                    protected,
+                    why=f"was evicted after idling to make room in the KV cache ({self.cache.num_blocks} blocks)",
+                ):
+                    continue
+                if not new:
+                    raise
+                raise _TurnRefused(
+                    "capacity",
+                    f"the KV cache is full: the turn needs {full.needed} more blocks of {self.cache.block_size} "
+                    f"positions and {full.free} are free, and no conversation has idled long enough to give way "
+                    "(parameter max_cache_mb); try again later",
+                ) from None
+
+    def _grow(self, table: BlockTable, protected: set[CorrelationId]) -> bool:
+        """Room for one more position; False when the pool is out of blocks and nobody may give way."""
+        try:
+            self._reserve(table, table.length, table.length + 1, protected, new=False)
+        except CacheFull:
+            return False
+        return True
+
     def _sample(self, logits: torch.Tensor, turns: Sequence[ChatTurn]) -> list[int]:
-        """One token per row: argmax for greedy turns, else temperature / top-k / top-p with the turn's generator."""
+        """One token per row, on the device: argmax for greedy turns, else temperature / top-k / top-p.
+
+        Sampling is an exponential race: with ``E_i`` drawn from Exp(1) by the turn's seeded generator, ``argmax
+        p_i / E_i`` is a draw from ``p``. It is the same job as ``torch.multinomial`` without its device-to-host
+        sync (on Ascend it forces one), batched over the rows. The chosen ids are the one copy to the host.
+        """
         import torch
 
         early = [row for row, t in enumerate(turns) if t.options and len(t.reply_ids) < t.options.min_tokens]
         if early:
             # Below MIN_TOKENS a reply may not end: the tokens that would end it are never chosen.
             rows = torch.tensor(early, device=logits.device)
-            stops = torch.tensor(sorted(self.tokenizer.stop_ids), device=logits.device)
+            stops = torch.tensor(self._stop_list, device=logits.device)
             logits = logits.clone()
             logits[rows[:, None], stops[None, :]] = float("-inf")
         chosen = logits.argmax(dim=-1)
-        sampled = [(row, t) for row, t in enumerate(turns) if t.options is not None and not t.options.greedy]
-        for row, turn in sampled:
-            self._sample_row(logits, chosen, row, turn)
+        sampled = [row for row, t in enumerate(turns) if t.options is not None and not t.options.greedy]
+        if sampled:
+            options = [turns[row].options for row in sampled]
+            index = torch.tensor(sampled, device=logits.device)
+            temps = torch.tensor([o.temperature for o in options if o], device=logits.device)
+            scores = logits.index_select(0, index) / temps[:, None]
+            ks = [o.top_k if o else 0 for o in options]
+            if any(ks):
+                width = min(max(ks), scores.shape[-1])
+                top = torch.topk(scores, width, dim=-1).values
+                at = torch.tensor([min(k, width) - 1 if k else 0 for k in ks], device=logits.device)
+                kth = top.gather(1, at[:, None])
+                off = torch.tensor([k == 0 for k in ks], device=logits.device)[:, None]
+                scores = scores.masked_fill((scores < kth) & ~off, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            ps = [o.top_p if o else 1.0 for o in options]
+            if any(p < 1.0 for p in ps):
+                ordered, order = torch.sort(probs, descending=True, dim=-1)
+                top_p = torch.tensor(ps, device=logits.device, dtype=probs.dtype)[:, None]
+                # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+                outside = (ordered.cumsum(-1) - ordered) >= top_p
+                probs = torch.zeros_like(probs).scatter(1, order, ordered.masked_fill(outside, 0.0))
+            race = torch.empty_like(probs)
+            for j, row in enumerate(sampled):
+                race[j].exponential_(generator=turns[row].generator)
+            # A draw of exactly 0 would divide by zero: the smallest positive float keeps the race finite.
+            picks = (probs / race.clamp_min_(torch.finfo(race.dtype).tiny)).argmax(dim=-1)
+            # A row whose probabilities are not a distribution (NaN or inf logits) gets -1, found below in the same
+            # copy to the host: multinomial would raise; the race would pick an arbitrary token.
+            valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+            chosen = chosen.index_copy(0, index, torch.where(valid, picks, -1))
         # The one device-to-host copy per pass: the host needs the ids to stream text and check stops.
-        return [int(t) for t in chosen.tolist()]
-
-    def _sample_row(self, logits: torch.Tensor, chosen: torch.Tensor, row: int, turn: ChatTurn) -> None:
-        import torch
-
-        options = turn.options
-        assert options is not None
-        scores = logits[row] / options.temperature
-        if options.top_k:
-            kth = torch.topk(scores, min(options.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if options.top_p < 1.0:
-            ordered, order = torch.sort(probs, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            outside = (ordered.cumsum(0) - ordered) >= options.top_p
-            probs = probs.scatter(0, order, ordered.masked_fill(outside, 0.0))
-        chosen[row] = torch.multinomial(probs, 1, generator=turn.generator)[0]
+        tokens = [int(t) for t in chosen.tolist()]
+        if min(tokens) < 0:
+            bad = [row for row, t in enumerate(tokens) if t < 0]
+            raise ValueError(f"sampling rows {bad} failed: their logits are not finite")
+        return tokens
 
     def _decode(self, turns: list[ChatTurn]) -> None:
         import torch
 
-        slots = [t.slot for t in turns]
-        conversations = [self._conversations[s] for s in slots]  # before the forward: a missing one changes nothing
+        tables = [self._table(t) for t in turns]  # before the forward: a missing one changes nothing
         tokens = torch.tensor([[t.reply_ids[-1]] for t in turns], dtype=torch.long)
-        logits = gpt2_forward(self.model, self.cache, slots, tokens)
-        for row, (turn, conv) in enumerate(zip(turns, conversations, strict=True)):
+        logits = self.model.forward(self.cache, tables, tokens)
+        for row, turn in enumerate(turns):
             turn.logits = logits[row]
-            conv.cached.append(turn.reply_ids[-1])
         self.decode_passes += 1
         self.rows_decoded += len(turns)
 
     def _commit(self, turn: ChatTurn) -> None:
-        """A finished turn becomes history: its messages, then the reply as the text the client received."""
+        """A finished turn becomes history: its kept messages, then the reply as the text the client received."""
         conv = self._conversations.get(turn.slot)
-        if conv is None:
+        if conv is None or turn.prompt is None:
             return
         text = bytes(turn.reply).decode("utf-8", errors="replace")
-        reply = [*self.tokenizer.encode(text), self.tokenizer.end_id]
-        start = len(turn.history) - 1  # the <|assistant|> token opens the reply's message
-        conv.undo = _Committed(ids=conv.ids, spans=conv.spans, pinned=conv.pinned, digest=conv.digest)
+        conv.undo = _Committed(messages=conv.messages, pinned=conv.pinned, digest=conv.digest)
         # The messages as received and the reply as the client reads it: the strings the client's chain uses.
         conv.digest = history_digest(conv.digest, [(m.role, m.text) for m in turn.messages], text)
-        conv.ids = turn.history + reply
-        conv.spans = [*turn.spans, (start, len(conv.ids))]
-        conv.pinned = turn.pinned
+        conv.messages = (*turn.prompt.messages, ("assistant", text))
+        conv.pinned = turn.prompt.pinned
+        conv.version = next(self._versions)
+        if turn.key is not None:
+            self._histories[turn.key] = (conv.version, conv.messages, conv.pinned)
         turn.logits = None
 
     def _turn_response(self, turn: ChatTurn, piece: bytes) -> Any:
-        conv = self._conversations.get(turn.slot) if turn.finish else None
+        conv = self._conversations.get(turn.slot)
         return self._respond(
             self._response(
                 piece,
                 turn.finish,
                 len(turn.reply_ids),
                 turn.prompt_tokens,
-                self.cache.lengths[turn.slot],
-                turn.dropped,
-                digest=EMPTY if conv is None else conv.digest,
+                0 if conv is None else conv.table.length,
+                0 if turn.prompt is None else turn.prompt.dropped,
+                digest=EMPTY if conv is None or not turn.finish else conv.digest,
             )
         )
 
@@ -813,7 +891,9 @@ class ChatEngine:
 
 
 class _TurnRefused(ValueError):
-    pass
+    def __init__(self, kind: RefusalKind, message: str) -> None:
+        super().__init__(message)
+        self.kind: RefusalKind = kind
 
 
 def _size(value: bytes | str) -> int:

@@ -5,14 +5,18 @@
 baseline a stateless server gives) are both this class. ``execute`` only parses each request into a turn
 and hands its response sender to the loop; everything else runs on the loop's thread (see ``_chat``).
 
-Config ``parameters`` read: ``checkpoint`` (folder of config.json, model.safetensors, tokenizer.json,
-relative to the model's folder; default ``demo_gpt2``), ``max_ctx`` (positions per conversation; default
-the model's n_positions), ``max_sequences`` and ``max_cache_mb`` (the two caps on live conversations: the
-cache is preallocated for the smaller), ``default_max_tokens``, ``device`` / ``device_ids`` (see
-``_device``), ``cpu_threads`` (torch threads on a CPU instance), ``sweep_grace_us``, ``stream_interval_ms`` (0: a
-response per token; above, a turn's pieces in mid-reply are merged into at most one response per interval),
-``evict_min_idle_ms`` (at the cap, a START takes the slot of the conversation idle longest if it has idled at
-least this long; default 60000; negative: never evict), and the input caps of :class:`~._chat.InputLimits`:
+Config ``parameters`` read: ``checkpoint`` (a Hugging Face folder: config.json, weights, tokenizer.json,
+tokenizer_config.json with its chat template; relative to the model's folder or absolute; default ``demo_gpt2``;
+the decoder is chosen by config.json's ``model_type``: gpt2, llama, qwen2, mistral), ``dtype`` (``auto``:
+float32 on a CPU instance, the checkpoint's own on an accelerator; or float32, float16, bfloat16), ``max_ctx``
+(positions per conversation; default the model's), ``max_sequences`` (live conversations), ``max_cache_mb`` (the
+paged KV cache's memory: blocks of ``kv_block_size`` positions, default 16), ``share_prefixes`` (equal prefixes
+computed once and shared; default true with sequence batching, false for the stateless twin),
+``default_max_tokens``, ``device`` / ``device_ids`` (see ``_device``), ``cpu_threads`` (torch threads on a CPU
+instance), ``sweep_grace_us``, ``stream_interval_ms`` (0: a response per token; above, a turn's pieces in mid-reply
+are merged into at most one response per interval), ``evict_min_idle_ms`` (at the cap of conversations, or
+when the KV cache has no free block, the conversation idle longest gives way if it has idled at least this long;
+default 60000; negative: never evict), and the input caps of :class:`~._chat.InputLimits`:
 ``max_messages`` (512), ``max_message_bytes`` (65536), ``max_request_bytes`` (262144), ``max_stops`` (16),
 ``max_stop_bytes`` (256).
 
@@ -46,8 +50,10 @@ from .._device import (
 from .._generate import StepLoop
 from .._markers import INVALID_INPUT
 from .._state import SequenceSlots
-from ._chat import ChatEngine, ChatResponse, ChatTokenizer, InputLimits, RefusalKind, kv_bytes_per_position
-from ._gpt2 import KVCache, load_gpt2
+from ._chat import ChatEngine, ChatResponse, InputLimits, RefusalKind
+from ._decoders import load_decoder
+from ._paged import PagedKVCache
+from ._template import CheckpointTokenizer
 
 __all__ = ["ChatModel"]
 
@@ -79,23 +85,22 @@ class ChatModel:
         threads = int(param("cpu_threads", "2"))
         device = activate(choice, cpu_threads=threads)
         checkpoint = Path(args["model_repository"]) / param("checkpoint", "demo_gpt2")
-        model = load_gpt2(checkpoint, device=device)
-        tokenizer = ChatTokenizer(checkpoint)
+        model = load_decoder(checkpoint, device=device, dtype=_dtype(param("dtype", "auto"), checkpoint, device))
+        tokenizer = CheckpointTokenizer(checkpoint)
 
-        max_ctx = int(param("max_ctx", str(model.config.n_positions)))
+        max_ctx = int(param("max_ctx", str(model.max_positions)))
         max_sequences = int(param("max_sequences", "64"))
         max_cache_mb = float(param("max_cache_mb", "1024"))
-        per_conversation = max_ctx * kv_bytes_per_position(model)
-        capacity = min(max_sequences, int(max_cache_mb * 2**20 // per_conversation))
-        if capacity < 1:
+        block_size = int(param("kv_block_size", "16"))
+        block_bytes = PagedKVCache.bytes_per_block(model, block_size)
+        num_blocks = int(max_cache_mb * 2**20 // block_bytes)
+        if num_blocks < -(-max_ctx // block_size):
             raise ValueError(
-                f"max_cache_mb={max_cache_mb:g} holds no conversation: one takes "
-                f"{per_conversation / 2**20:.1f} MiB at max_ctx {max_ctx}"
+                f"max_cache_mb={max_cache_mb:g} holds {num_blocks} blocks of {block_size} positions "
+                f"({block_bytes / 2**20:.2f} MiB each), fewer than one conversation of max_ctx {max_ctx} needs"
             )
-        note = (
-            f"parameters max_sequences={max_sequences} and max_cache_mb={max_cache_mb:g}, "
-            f"{per_conversation / 2**20:.1f} MiB of KV cache per conversation at max_ctx {max_ctx}"
-        )
+        capacity = max_sequences
+        note = f"parameter max_sequences={max_sequences}"
         # Stateless: every request starts and ends its conversation, so nothing ever idles.
         idle_s = self._batching.idle_timeout_s if self._batching else 3600.0
         grace_us = int(param("sweep_grace_us", "500000"))
@@ -116,7 +121,12 @@ class ChatModel:
             max_stops=int(param("max_stops", str(default.max_stops))),
             max_stop_bytes=int(param("max_stop_bytes", str(default.max_stop_bytes))),
         )
-        cache = KVCache.allocate(model, slots=capacity, max_ctx=max_ctx)
+        # Only a model keeping conversations shares prefixes by default: the stateless twin is the baseline of
+        # a server that keeps nothing between requests.
+        share = param("share_prefixes", "true" if self._batching is not None else "false").strip().lower()
+        cache = PagedKVCache.for_model(
+            model, num_blocks=num_blocks, block_size=block_size, share_prefixes=share in ("1", "true", "yes")
+        )
         self.engine = ChatEngine(
             model,
             tokenizer,
@@ -124,6 +134,7 @@ class ChatModel:
             slots,
             respond=self._respond,
             refuse=self._refuse,
+            max_ctx=max_ctx,
             default_max_tokens=int(param("default_max_tokens", "64")),
             stream_interval_s=float(param("stream_interval_ms", "0")) / 1000,
             limits=limits,
@@ -144,12 +155,15 @@ class ChatModel:
             name=args.get("model_instance_name", "chat"),
         )
         _log.info(
-            "%s on %s: %d conversations of up to %d tokens (%s), %s",
+            "%s on %s: up to %d conversations of up to %d tokens (%s), %d KV blocks of %d positions (%.1f MiB), %s",
             args.get("model_instance_name"),
             device,
             capacity,
             max_ctx,
             note,
+            num_blocks,
+            block_size,
+            num_blocks * block_bytes / 2**20,
             "stateless" if self._batching is None else f"idle timeout {idle_s:g} s",
         )
 
@@ -175,6 +189,7 @@ class ChatModel:
                     key, start, end = controls.correlation_id, controls.start, controls.end
                 options = {name.lower(): self._scalar(request, name) for name in OPTION_INPUTS}
                 turn = self.engine.parse(
+                    key=key,
                     start=start,
                     end=end,
                     roles=self._strings(request, "ROLE"),
@@ -250,3 +265,25 @@ def _invalid(message: str) -> str:
 
 def _activate(choice: Any, threads: int) -> None:
     activate(choice, cpu_threads=threads)
+
+
+def _dtype(name: str, checkpoint: Path, device: Any) -> Any:
+    """The weights' and cache's dtype: ``auto`` is float32 on a host CPU and the checkpoint's own on an accelerator.
+
+    A CPU runs half precision slowly (and bfloat16 matmuls are emulated on many), so a CPU instance computes in
+    float32 whatever the checkpoint was saved in; an accelerator keeps the checkpoint's dtype.
+    """
+    import torch
+
+    from .._files import read_json_config
+
+    choices = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    name = name.strip().lower()
+    if name in choices:
+        return choices[name]
+    if name != "auto":
+        raise ValueError(f"parameter dtype must be auto, {', '.join(choices)}; got {name!r}")
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    saved = read_json_config(checkpoint).get("torch_dtype")
+    return choices.get(str(saved), torch.float32)

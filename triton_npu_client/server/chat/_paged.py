@@ -157,6 +157,7 @@ class PagedKVCache:
         self._keys = itertools.count(1)  # registration keys; 0 is the empty prefix
         # Counters, for tests, logs and benchmarks.
         self.shared_hits = 0  # blocks taken by reference instead of being computed
+        self._surplus = 0  # sum over blocks of (holders - 1): positions counted twice by summing tables' lengths
         self.copies = 0  # copy-on-write copies
 
     @classmethod
@@ -190,6 +191,14 @@ class PagedKVCache:
     def free_blocks(self) -> int:
         """Blocks a reservation may take (free ones, and unheld ones that only keep a registration)."""
         return len(self._free) + len(self._cached)
+
+    @property
+    def shared_positions(self) -> int:
+        """Positions that summing every table's length counts more than once (a block held by k tables, k - 1 times).
+
+        Only full blocks are ever shared, so each extra holder of one counts ``block_size`` positions again.
+        """
+        return self._surplus * self.block_size
 
     @property
     def used_bytes(self) -> int:
@@ -482,11 +491,15 @@ class PagedKVCache:
     def _ref(self, block: int) -> None:
         if self._refs[block] == 0:
             self._cached.pop(block, None)
+        else:
+            self._surplus += 1
         self._refs[block] += 1
 
     def _unref(self, block: int) -> None:
         self._refs[block] -= 1
-        if self._refs[block] == 0:
+        if self._refs[block] > 0:
+            self._surplus -= 1
+        else:
             if block in self._registered:
                 self._cached[block] = None
             else:
