@@ -4,7 +4,7 @@
 The generated config is parsed back the way Triton reads it (protobuf text format, then the JSON a Python model
 gets, read with the toolkit's own ``model_parameter``). The mistakes run ``main()`` in this process with
 ``LocalTriton`` replaced by a trap, so a check that came after the server start would fail the test. The
-end-to-end runs start one ``serve`` and one ``chat`` subprocess (about 3 s each here).
+end-to-end run starts one ``serve`` and one ``chat`` subprocess at once, on a GPT-2 and a tiny Llama checkpoint.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 from google.protobuf import json_format, text_format
+from safetensors.numpy import save_file
 from tritonclient.grpc import model_config_pb2
 
 import triton_npu_client.cli as cli
@@ -355,11 +358,19 @@ class Lines:
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
         assert proc.stderr is not None
-        self.out = ""
-        self.err = ""
+        self._out = b""
+        self._err = b""
         self._selector = selectors.DefaultSelector()
         self._selector.register(proc.stdout, selectors.EVENT_READ, "out")
         self._selector.register(proc.stderr, selectors.EVENT_READ, "err")
+
+    @property
+    def out(self) -> str:
+        return self._out.decode(errors="replace")
+
+    @property
+    def err(self) -> str:
+        return self._err.decode(errors="replace")
 
     def _read(self, timeout: float) -> None:
         for key, _ in self._selector.select(timeout):
@@ -367,9 +378,9 @@ class Lines:
             if not data:
                 self._selector.unregister(key.fileobj)
             elif key.data == "out":
-                self.out += data.decode()
+                self._out += data
             else:
-                self.err += data.decode()
+                self._err += data
 
     def until(self, pattern: str) -> re.Match[str]:
         """Read until stdout holds a line matching ``pattern``; fail (showing both streams) if it ends first."""
@@ -390,6 +401,53 @@ class Lines:
             self._read(left)
 
 
+def tiny_llama(folder: Path) -> Path:
+    """A random one-layer Llama (grouped-query attention, untied head) in two shards with their index, written
+    with numpy (no torch here: writing takes milliseconds); the demo's tokenizer, template and end-of-turn ids."""
+    folder.mkdir(parents=True)
+    vocab, hidden, heads, kv_heads, inter = 4096, 32, 4, 2, 64
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32", "eos_token_id": 0,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(DEMO / name, folder / name)
+    rng = np.random.default_rng(0)
+
+    def w(*shape: int) -> npt.NDArray[np.float32]:
+        return (rng.standard_normal(shape) * 0.3).astype(np.float32)
+
+    head_dim, layer = hidden // heads, "model.layers.0."
+    shards = [
+        {
+            "model.embed_tokens.weight": w(vocab, hidden),
+            f"{layer}input_layernorm.weight": 1 + w(hidden),
+            f"{layer}self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            f"{layer}self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            f"{layer}self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            f"{layer}self_attn.o_proj.weight": w(hidden, heads * head_dim),
+        },
+        {
+            f"{layer}post_attention_layernorm.weight": 1 + w(hidden),
+            f"{layer}mlp.gate_proj.weight": w(inter, hidden),
+            f"{layer}mlp.up_proj.weight": w(inter, hidden),
+            f"{layer}mlp.down_proj.weight": w(hidden, inter),
+            "model.norm.weight": 1 + w(hidden),
+            "lm_head.weight": w(vocab, hidden),
+        },
+    ]
+    weight_map = {}
+    for i, tensors in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
 async def one_turn(url: str, model: str, question: str) -> tuple[str, int, dict[str, Any]]:
     async with Client(url, timeout_s=120) as client:
         async with client.chat(model, max_tokens=8) as chat:
@@ -399,20 +457,24 @@ async def one_turn(url: str, model: str, question: str) -> tuple[str, int, dict[
 
 
 def test_serve_chat_and_chat_checkpoint_answer_a_real_client(tmp_path: Path) -> None:
-    """`serve --chat DIR --model-repository R`: R's packaged chat and the checkpoint's model side by side on one
-    server, named after DIR; the checkpoint's model (the demo weights) answers greedy exactly as the packaged
-    model; its config on the server holds the checkpoint's path. `chat --checkpoint DIR --name tiny` prints the
-    same reply. Both exit cleanly, remove their folders, and never write into DIR."""
-    checkpoint = gpt2_checkpoint(tmp_path / "demo gpt2 (copy)")
-    before = snapshot(checkpoint)
+    """One `serve --chat DIR --model-repository R` and one `chat --checkpoint`, started at once.
+
+    The server holds R's models (the packaged chat, and a tiny Llama entry that write_chat_model wrote there) beside
+    the GPT-2 checkpoint's model, named after DIR. The GPT-2 copy answers greedy exactly as the packaged model (the
+    same weights); each served config holds its checkpoint's path. `chat --checkpoint LLAMA --name tiny` prints the
+    reply the served Llama gives. Both commands exit 0, remove their folders, and never write into a checkpoint."""
+    gpt2 = gpt2_checkpoint(tmp_path / "demo gpt2 (copy)")
+    llama = tiny_llama(tmp_path / "tiny-llama")
+    before = {folder: snapshot(folder) for folder in (gpt2, llama)}
     repository = tmp_path / "repo"
     repository.mkdir()
     (repository / "chat").symlink_to(default_model_repository() / "chat", target_is_directory=True)
+    assert write_chat_model(repository, llama, name="tiny_llama", max_ctx=128) == "tiny_llama"
     question = "Good morning."
-    serve = [sys.executable, "-m", "triton_npu_client", "serve", "--chat", str(checkpoint),
+    serve = [sys.executable, "-m", "triton_npu_client", "serve", "--chat", str(gpt2),
              "--model-repository", str(repository), "--max-ctx", "1024"]
-    chat = [sys.executable, "-m", "triton_npu_client", "chat", "--checkpoint", str(checkpoint),
-            "--name", "tiny", "--max-tokens", "8"]
+    chat = [sys.executable, "-m", "triton_npu_client", "chat", "--checkpoint", str(llama),
+            "--name", "tiny", "--max-ctx", "128", "--max-tokens", "8"]
     # Both commands start their servers at once: the test waits for the slower, not for the sum.
     with subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path) as server, \
             subprocess.Popen(chat, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -426,6 +488,7 @@ def test_serve_chat_and_chat_checkpoint_answer_a_real_client(tmp_path: Path) -> 
             assert "  chat     model 'demo_gpt2_copy_' from checkpoint" in lines.out
             text, tokens, config = asyncio.run(one_turn(url, "demo_gpt2_copy_", question))
             packaged_text, packaged_tokens, _ = asyncio.run(one_turn(url, "chat", question))
+            llama_text, llama_tokens, llama_config = asyncio.run(one_turn(url, "tiny_llama", question))
             server.send_signal(signal.SIGINT)
             lines.finish()
             server.wait(timeout=WAIT_S)
@@ -440,12 +503,14 @@ def test_serve_chat_and_chat_checkpoint_answer_a_real_client(tmp_path: Path) -> 
     assert server.returncode == 0, lines.err[-3000:]
     assert tokens > 0
     assert (text, tokens) == (packaged_text, packaged_tokens)
-    assert model_parameter(config, "checkpoint") == str(checkpoint.resolve())
+    assert model_parameter(config, "checkpoint") == str(gpt2.resolve())
     assert model_parameter(config, "max_ctx") == "1024"
+    assert llama_tokens > 0
+    assert model_parameter(llama_config, "checkpoint") == str(llama.resolve())
     assert chatting.returncode == 0, chat_lines.err[-3000:]
     assert "starting tritonserver for model 'tiny'" in chat_lines.err
-    assert chat_lines.out == text + "\n"
+    assert chat_lines.out == llama_text + "\n"
     for pid, verb in ((server.pid, "serve"), (chatting.pid, "chat")):
         prefix = f"triton-npu-{verb}-{pid}-"
         assert [p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(prefix)] == []
-    assert snapshot(checkpoint) == before
+    assert {folder: snapshot(folder) for folder in (gpt2, llama)} == before
