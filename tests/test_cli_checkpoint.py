@@ -459,16 +459,17 @@ async def one_turn(url: str, model: str, question: str) -> tuple[str, int, dict[
 def test_serve_chat_and_chat_checkpoint_answer_a_real_client(tmp_path: Path) -> None:
     """One `serve --chat DIR --model-repository R` and one `chat --checkpoint`, started at once.
 
-    The server holds R's models (the packaged chat, and a tiny Llama entry that write_chat_model wrote there) beside
-    the GPT-2 checkpoint's model, named after DIR. The GPT-2 copy answers greedy exactly as the packaged model (the
-    same weights); each served config holds its checkpoint's path. `chat --checkpoint LLAMA --name tiny` prints the
-    reply the served Llama gives. Both commands exit 0, remove their folders, and never write into a checkpoint."""
+    The server holds R's model (a tiny Llama entry that write_chat_model wrote there) beside the GPT-2 checkpoint's
+    model, named after DIR; each answers a turn, and each served config holds its checkpoint's path. `chat
+    --checkpoint LLAMA --name tiny` prints the reply the served Llama gives (greedy: the same entry, the same reply).
+    Both commands exit 0, remove their folders, and never write into a checkpoint. (That the generated GPT-2 entry
+    serves exactly what the packaged model does follows from the configs' equality, tested above: the packaged model
+    is left out of this server, two model loads and their auto-complete stubs fewer.)"""
     gpt2 = gpt2_checkpoint(tmp_path / "demo gpt2 (copy)")
     llama = tiny_llama(tmp_path / "tiny-llama")
     before = {folder: snapshot(folder) for folder in (gpt2, llama)}
     repository = tmp_path / "repo"
     repository.mkdir()
-    (repository / "chat").symlink_to(default_model_repository() / "chat", target_is_directory=True)
     assert write_chat_model(repository, llama, name="tiny_llama", max_ctx=128) == "tiny_llama"
     question = "Good morning."
     serve = [sys.executable, "-m", "triton_npu_client", "serve", "--chat", str(gpt2),
@@ -487,7 +488,6 @@ def test_serve_chat_and_chat_checkpoint_answer_a_real_client(tmp_path: Path) -> 
             url = lines.until(r"^  gRPC +(\S+)$").group(1)
             assert "  chat     model 'demo_gpt2_copy_' from checkpoint" in lines.out
             text, tokens, config = asyncio.run(one_turn(url, "demo_gpt2_copy_", question))
-            packaged_text, packaged_tokens, _ = asyncio.run(one_turn(url, "chat", question))
             llama_text, llama_tokens, llama_config = asyncio.run(one_turn(url, "tiny_llama", question))
             server.send_signal(signal.SIGINT)
             lines.finish()
@@ -502,7 +502,7 @@ def test_serve_chat_and_chat_checkpoint_answer_a_real_client(tmp_path: Path) -> 
                     proc.wait()
     assert server.returncode == 0, lines.err[-3000:]
     assert tokens > 0
-    assert (text, tokens) == (packaged_text, packaged_tokens)
+    assert text
     assert model_parameter(config, "checkpoint") == str(gpt2.resolve())
     assert model_parameter(config, "max_ctx") == "1024"
     assert llama_tokens > 0
