@@ -127,8 +127,8 @@ def checkpoint_repository(
         ns.checkpoint,
         name=ns.chat_name,
         max_ctx=ns.max_ctx,
-        dtype=ns.dtype or "auto",
-        device=ns.device or "auto",
+        dtype="auto" if ns.dtype is None else ns.dtype,
+        device="auto" if ns.device is None else ns.device,
         max_cache_mb=ns.max_cache_mb,
         prefix=prefix,
     )
