@@ -57,7 +57,8 @@ Overlap = Literal["supersede", "refuse"]
 DEFAULT_CANCEL_POLL_S = 0.05
 #: Every running stream's cancellation is asked at least once in this many passes (a share of the streams
 #: each pass, the longest unasked first). Each ``is_cancelled()`` is a round trip to Triton's process (about
-#: 0.1 ms here): asking all 32 streams of a chat batch every pass cost a third of the pass.
+#: 0.1 ms here): asking all 32 streams of a chat batch every pass cost a third of the pass. With a thread of
+#: its own (``background_checks``) the loop only hands the share over and reads the answers at its next pass.
 DEFAULT_CANCEL_CHECK_EVERY = 4
 
 
@@ -76,6 +77,9 @@ class Stream(Generic[J]):
     not_before: float = 0.0
     checked_at: int = -1  # the pass at which its cancellation was last asked
     send_failed: bool = False  # a response could not be sent (set by the outbox thread)
+    cancel_seen: bool = False  # its request said it was cancelled (set by the watcher thread)
+    check_queued: bool = False  # a cancellation check waits for the watcher thread
+    finished: bool = False  # the loop ended it (set before its FINAL is sent)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +113,10 @@ class StepLoop(Generic[J]):
     a stream is superseded or the loop shuts down. ``final_flag`` is
     ``pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL``. ``overlap``: what a step of a sequence whose
     stream is still in the loop does (see the module docstring); ``superseded_message(key)`` (optional)
-    is the error text a retired stream gets.
+    is the error text a retired stream gets. With the thread running, ``background_sends`` sends responses
+    from a thread of their own and ``background_checks`` asks running streams' cancellation from another
+    (each a round trip to Triton's process that the decode thread would otherwise wait out); a new stream
+    is always asked on the loop's thread before it is admitted.
 
     Every callback runs on the loop's thread, one at a time: model state they share needs no lock.
     ``start=False`` runs no thread: the caller drives :meth:`run_pass` (tests, with an injected clock).
@@ -126,6 +133,7 @@ class StepLoop(Generic[J]):
         cancel_poll_s: float = DEFAULT_CANCEL_POLL_S,
         cancel_check_every: int = DEFAULT_CANCEL_CHECK_EVERY,
         background_sends: bool = True,
+        background_checks: bool = True,
         busy_grace_s: float = DEFAULT_BUSY_GRACE_S,
         overlap: Overlap = "refuse",
         superseded_message: Callable[[CorrelationId], str] | None = None,
@@ -165,9 +173,12 @@ class StepLoop(Generic[J]):
         self._superseded = 0
         self._thread: threading.Thread | None = None
         self._outbox: _Outbox | None = None
+        self._watcher: _Watcher | None = None
         if start:
             if background_sends:
                 self._outbox = _Outbox(f"{name}-send")
+            if background_checks:
+                self._watcher = _Watcher(f"{name}-cancel", self._wake)
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
 
@@ -248,6 +259,8 @@ class StepLoop(Generic[J]):
             self._shutdown()
         if self._outbox is not None:
             self._outbox.close(timeout_s)
+        if self._watcher is not None:
+            self._watcher.close(timeout_s)
 
     def run_pass(self) -> float | None:
         """One pass: cancellations, admissions, one step of every due stream.
@@ -302,17 +315,28 @@ class StepLoop(Generic[J]):
 
         A new stream is always asked. Of the running ones, each pass asks the ``1 / cancel_check_every``
         share asked longest ago (at least one), so each is asked once in ``cancel_check_every`` passes and a
-        cancelled step stops within that many steps.
+        cancelled step stops within that many steps (one more with the watcher thread, which answers for the
+        next pass).
         """
         ask: set[int] = set(map(id, streams))
         if admitted:
             self._passes += 1
             share = -(-len(streams) // self._cancel_check_every)
             ask = {id(s) for s in sorted(streams, key=lambda s: s.checked_at)[:share]}
+            if self._watcher is not None:
+                asked = [s for s in streams if id(s) in ask]
+                for stream in asked:
+                    stream.checked_at = self._passes
+                self._watcher.ask(asked)
+                ask = set()
         kept = []
         for stream in streams:
             if stream.send_failed:
                 self._finish(stream, None, "failed", admitted=admitted)
+                continue
+            if stream.cancel_seen:
+                self._cancelled += 1
+                self._finish(stream, None, "cancelled", admitted=admitted)
                 continue
             if id(stream) not in ask:
                 kept.append(stream)
@@ -407,6 +431,7 @@ class StepLoop(Generic[J]):
 
     def _finish(self, stream: Stream[J], response: Any, reason: ExitReason, *, admitted: bool = True) -> None:
         """End ``stream``: free its sequence, run ``on_exit``, then send ``response`` (or nothing) with FINAL."""
+        stream.finished = True
         # Free the sequence before the FINAL goes out: a client that sends the next step as soon as
         # it reads FINAL must find the sequence free, not busy.
         with self._cond:
@@ -429,6 +454,10 @@ class StepLoop(Generic[J]):
         except Exception as err:
             _log.warning("is_cancelled() failed for sequence %r, treated as cancelled: %s", stream.key, err)
             return True
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def _error(self, message: str) -> Any:
         try:
@@ -545,3 +574,62 @@ class _Outbox:
             with self._cond:
                 self._queue.popleft()
                 self._cond.notify_all()
+
+
+class _Watcher:
+    """Asks running streams whether their request was cancelled, on a thread of its own.
+
+    ``is_cancelled()`` is a round trip to Triton's process: asked on the loop's thread it stalls the decode
+    for every stream asked. Here it overlaps the next pass (the wait releases the GIL); a stream found
+    cancelled gets ``cancel_seen``, which the loop acts on at its next pass (``wake`` runs it at once if it
+    waits). A stream the loop ended meanwhile is skipped, or its answer ignored.
+    """
+
+    def __init__(self, name: str, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self._queue: deque[Stream[Any]] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def ask(self, streams: Sequence[Stream[Any]]) -> None:
+        fresh = [s for s in streams if not s.check_queued and not s.finished]
+        if not fresh:
+            return
+        with self._cond:
+            for stream in fresh:
+                stream.check_queued = True
+                self._queue.append(stream)
+            self._cond.notify_all()
+
+    def close(self, timeout_s: float) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                stream = self._queue.popleft()
+            try:
+                if stream.finished:
+                    continue
+                try:
+                    cancelled = bool(stream.sender.is_cancelled())
+                except Exception as err:
+                    # A request that ended meanwhile may refuse the question: then the answer does not matter.
+                    if stream.finished:
+                        continue
+                    _log.warning("is_cancelled() failed for sequence %r, treated as cancelled: %s", stream.key, err)
+                    cancelled = True
+                if cancelled and not stream.finished:
+                    stream.cancel_seen = True
+                    self._wake()
+            finally:
+                stream.check_queued = False
