@@ -20,7 +20,6 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from triton_npu_client.server import (
-    GPT2,
     ChatEngine,
     ChatResponse,
     ChatTurn,
@@ -28,7 +27,7 @@ from triton_npu_client.server import (
     PagedKVCache,
     SequenceSlots,
     StepLoop,
-    load_gpt2,
+    load_decoder,
 )
 from triton_npu_client.server.chat._chat import _find_stop, _held_back
 
@@ -114,13 +113,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-_LOADED: dict[Path, GPT2] = {}
+_LOADED: dict[Path, Any] = {}
 
 
-def _load(checkpoint: Path) -> GPT2:
+def _load(checkpoint: Path) -> Any:
     # The weights are read-only: every rig may share one loaded copy (each has its own cache).
     if checkpoint not in _LOADED:
-        _LOADED[checkpoint] = load_gpt2(checkpoint)
+        _LOADED[checkpoint] = load_decoder(checkpoint)
     return _LOADED[checkpoint]
 
 
@@ -769,3 +768,120 @@ def test_the_digest_chain_matches_the_client_rule_and_undoes_one_turn(checkpoint
     rig.run(last)
     assert last.refusal[0] == "unknown"
     assert rig.slots.slot_of(1) is None
+
+
+# -- the paged cache under the engine: shared prefixes, memory caps, templates that rewrite the past -----------------
+
+LONG_SYSTEM = " ".join(SENTENCES)  # about 130 tokens: several blocks of 16
+
+
+def test_conversations_sharing_a_system_prompt_compute_and_hold_it_once(checkpoint: Path) -> None:
+    """Eight conversations opening with the same long system prompt, admitted in one pass: the first prefills it,
+    the others take its blocks by reference; replies equal each one's alone; KV_BYTES counts the shared blocks
+    once; END frees every block."""
+    questions = [f"Question {i}: where are you going?" for i in range(8)]
+    alone = [
+        Rig(checkpoint, share_prefixes=False).turn(1, ["system", "user"], [LONG_SYSTEM, q], max_tokens=10)
+        for q in questions
+    ]
+    rig = Rig(checkpoint)
+    senders = [
+        rig.submit(k, ["system", "user"], [LONG_SYSTEM, q], max_tokens=10) for k, q in enumerate(questions, start=1)
+    ]
+    rig.run(*senders)
+    assert [s.reply for s in senders] == [a.reply for a in alone]
+    whole = alone[0].last.prompt_tokens
+    assert senders[0].last.prompt_tokens == whole
+    # Each other one prefilled only from the last full block of the shared system prompt on.
+    assert all(s.last.prompt_tokens < whole - 64 for s in senders[1:])
+    assert rig.cache.shared_hits >= 7 * 4
+    contexts = [s.last.context_tokens for s in senders]
+    shared = rig.cache.shared_positions
+    assert shared >= 7 * 64
+    assert rig.engine.kv_bytes == (sum(contexts) - shared) * per_position(rig)
+    blocks_alone = sum(-(-c // 16) for c in contexts)
+    assert rig.cache.used_blocks <= blocks_alone - 7 * 4
+    for k in range(1, len(questions) + 1):
+        rig.run(rig.submit(k, end=True))
+    assert (rig.engine.live, rig.engine.kv_bytes, rig.cache.used_blocks, rig.cache.shared_positions) == (0, 0, 0, 0)
+
+
+def test_a_rewind_into_a_shared_block_copies_it_and_the_owner_is_untouched(checkpoint: Path) -> None:
+    """A conversation that shares a prefix and then diverges inside a shared block (its next prompt differs there)
+    writes a private copy; the other conversation's next turn is exactly what it is with no sharing at all."""
+    first = ["Be brief.", "The cat sat on the mat and looked at the sea, and the river ran cold."]
+    rig, plain = Rig(checkpoint), Rig(checkpoint, share_prefixes=False)
+    for r in (rig, plain):
+        r.turn(1, ["system", "user"], first, max_tokens=8)
+    # Same history up to a point inside the second block, then other text: a fresh conversation adopts the first
+    # block(s) and rewinds into the next one.
+    other = rig.turn(2, ["system", "user"], [first[0], first[1][:40] + " and then it rained."], max_tokens=8)
+    assert other.refusal is None
+    held = rig.engine._conversations[rig.slots.slot_of(1)].table.blocks
+    mine = rig.engine._conversations[rig.slots.slot_of(2)].table.blocks
+    assert held[0] == mine[0]  # shared
+    assert set(held[1:]).isdisjoint(mine[1:])  # private from the divergence on
+    assert rig.turn(1, ["user"], ["And then?"], max_tokens=12).reply == plain.turn(
+        1, ["user"], ["And then?"], max_tokens=12
+    ).reply
+
+
+def test_a_full_cache_makes_the_longest_idle_conversation_give_way_else_refuses_or_ends_the_reply(
+    checkpoint: Path,
+) -> None:
+    """max_cache_mb is the cap: with no free block an idle conversation gives way (its next turn is unknown and
+    says why); when none may, a new turn is refused as over capacity and a growing reply ends with "context";
+    the other conversations go on exactly."""
+    rig = Rig(checkpoint, blocks=12, evict_min_idle_s=1.0, share_prefixes=False)
+    rig.turn(1, ["user"], [" ".join(SENTENCES[:3])], max_tokens=8)  # about 5 blocks
+    rig.clock.now += 2.0
+    second = rig.turn(2, ["user"], [" ".join(SENTENCES[1:])], max_tokens=40, min_tokens=40)  # needs 1's blocks
+    assert second.last.finish == "length"
+    assert rig.slots.slot_of(1) is None
+    lost = rig.submit(1, ["user"], ["Still there?"], start=False)
+    rig.run(lost)
+    assert lost.refusal[0] == "unknown"
+    assert "KV cache" in lost.refusal[1]
+    # 2 holds most blocks and has not idled long enough: a long new turn cannot fit, and is refused clearly.
+    third = rig.submit(3, ["user"], [" ".join(SENTENCES)])
+    rig.run(third)
+    assert third.refusal[0] == "capacity"
+    assert "KV cache is full" in third.refusal[1]
+    # A reply that cannot grow ends with "context"; its conversation goes on.
+    rig.clock.now += 0.5
+    grower = rig.turn(2, ["user"], ["Go on and on."], max_tokens=200, min_tokens=200)
+    assert grower.last.finish == "context"
+    assert grower.last.tokens < 200
+    assert rig.cache.free_blocks == 0 or rig.cache.free_blocks < 2
+    assert rig.turn(2, ["user"], ["Hi."], max_tokens=1).last.finish in ("length", "stop", "context")
+
+
+@pytest.fixture(scope="module")
+def rewriting(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 whose chat template renders earlier turns differently once a new one follows."""
+    from tests._checkpoints import write_tiny_llama
+    from tests._templates import REWRITING
+
+    return write_tiny_llama(tmp_path_factory.mktemp("rewriting"), "qwen2", chat_template=REWRITING, seed=3)
+
+
+def test_a_template_that_rewrites_earlier_turns_rewinds_and_stays_exact(rewriting: Path) -> None:
+    """REWRITING empties old replies and re-marks the latest user message, so each next prompt differs from the
+    cached one before its end: the engine rewinds to the first differing token, and turn 3 equals the whole
+    history sent to a fresh conversation (no sharing)."""
+    torch.set_num_threads(1)
+    rig = Rig(rewriting, max_ctx=512, share_prefixes=False)
+    history: list[tuple[str, str]] = []
+    replies = []
+    for i, q in enumerate(["Where are you going?", "The cat sat on the mat.", "A quiet morning came."]):
+        roles, texts = (["system", "user"], ["You are a river.", q]) if i == 0 else (["user"], [q])
+        sender = rig.turn(1, roles, texts, max_tokens=8)
+        replies.append(sender)
+        history += list(zip(roles, texts, strict=True))
+        history.append(("assistant", text(sender)))
+    fresh = rig.turn(2, [r for r, _ in history[:-1]], [t for _, t in history[:-1]], max_tokens=8)
+    assert fresh.reply == replies[2].reply
+    assert fresh.last.context_tokens == replies[2].last.context_tokens
+    # The rewind: turn 3 prefilled more than its own new message (the rewritten past), less than everything.
+    own = len(rig.tokenizer.render([("user", "A quiet morning came.")], add_generation_prompt=True))
+    assert own < replies[2].last.prompt_tokens < fresh.last.prompt_tokens

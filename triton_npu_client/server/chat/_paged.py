@@ -223,18 +223,20 @@ class PagedKVCache:
     def needed(self, table: BlockTable, start: int, end: int) -> int:
         """Free blocks :meth:`reserve` would take to make positions ``start .. end - 1`` of ``table`` writable."""
         bs = self.block_size
-        kept = self.blocks_for(start)
-        fresh = max(self.blocks_for(end) - kept, 0)
+        kept, want, have = self.blocks_for(start), self.blocks_for(end), len(table.blocks)
+        # Blocks the table holds past `start` are written again: its own are reused, shared ones replaced.
+        fresh = sum(1 for block in table.blocks[kept:want] if self._refs[block] > 1) + max(want - have, 0)
         # The block holding `start` keeps its first positions: a shared one is copied, not written.
-        if start % bs and kept <= len(table.blocks) and self._refs[table.blocks[kept - 1]] > 1:
+        if start % bs and kept <= have and self._refs[table.blocks[kept - 1]] > 1:
             fresh += 1
         return fresh
 
     def reserve(self, table: BlockTable, start: int, end: int) -> None:
         """Make positions ``start .. end - 1`` of ``table`` writable, dropping what it held from ``start`` on.
 
-        Takes blocks for the new positions and copies a shared block that ``start`` falls inside. Raises
-        :class:`CacheFull` (changing nothing) when the pool lacks the blocks, ``ValueError`` for a ``start``
+        Takes blocks for the new positions, reuses the table's own blocks past ``start`` (their stale entries lie
+        past its length, where attention never looks) and copies a shared block that ``start`` falls inside.
+        Raises :class:`CacheFull` (changing nothing) when the pool lacks the blocks, ``ValueError`` for a ``start``
         past the table's length. Reserving what is already reserved takes nothing.
         """
         if not 0 <= start <= table.length:
@@ -245,24 +247,31 @@ class PagedKVCache:
         if need > self.free_blocks:
             raise CacheFull(need, self.free_blocks)
         bs = self.block_size
-        kept = self.blocks_for(start)
-        for block in table.blocks[kept:]:
+        kept, want = self.blocks_for(start), self.blocks_for(end)
+        for block in table.blocks[want:]:
             self._unref(block)
-        del table.blocks[kept:]
+        del table.blocks[want:]
+        for i in range(kept, len(table.blocks)):
+            block = table.blocks[i]
+            if self._refs[block] > 1:
+                self._unref(block)
+                table.blocks[i] = self._take()
+            else:
+                self._unregister(block)  # about to be written: nobody may take it as it was
         del table.ids[start:]
         del table.keys[start // bs :]
         if start % bs:
-            last = table.blocks[-1]
+            last = table.blocks[kept - 1]
             if self._refs[last] > 1:
                 copy = self._take()
                 for pool in (*self.keys, *self.values):
                     pool[copy, :, : start % bs] = pool[last, :, : start % bs]
                 self._unref(last)
-                table.blocks[-1] = copy
+                table.blocks[kept - 1] = copy
                 self.copies += 1
             else:
                 self._unregister(last)  # its tail is about to change: nobody may take it as it was
-        while len(table.blocks) < self.blocks_for(end):
+        while len(table.blocks) < want:
             table.blocks.append(self._take())
 
     def adopt_prefix(self, table: BlockTable, ids: Sequence[int], *, keep_last: bool = True) -> int:
