@@ -26,7 +26,7 @@ from tools.train_chat_model import (
     held_out_sequences,
     reply_loss,
 )
-from triton_npu_client.server import GPT2, KVCache, gpt2_forward, load_gpt2
+from triton_npu_client.server import GPT2, PagedKVCache, gpt2_forward, load_gpt2
 
 CHECKPOINT = DEFAULT_OUT
 FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -141,9 +141,9 @@ def test_held_out_loss_is_far_below_chance_and_below_token_frequencies(model: GP
     total, count = 0.0, 0
     reply_tokens: list[int] = []
     for ids, start in held_out_sequences(tokenizer, held, per_book=10):
-        cache = KVCache.allocate(model, slots=1, max_ctx=len(ids))
+        cache = PagedKVCache.for_model(model, num_blocks=-(-len(ids) // 16))
         with torch.no_grad():
-            logits = gpt2_forward(model, cache, [0], torch.tensor([ids]), all_logits=True)[0]
+            logits = gpt2_forward(model, cache, [cache.new_table()], torch.tensor([ids]), all_logits=True)[0]
         summed, n = reply_loss(logits, ids, start)
         total, count = total + summed, count + n
         reply_tokens += ids[start:]

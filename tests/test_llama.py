@@ -294,8 +294,9 @@ def test_dtype_casts_on_load(tmp_path: Path) -> None:
     hf.eval()
     with torch.no_grad():
         theirs = hf(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
-    # bfloat16 keeps 8 bits of mantissa: the same arithmetic, a looser bound.
-    assert torch.allclose(logits[0], theirs, atol=0.1, rtol=0)
+    # bfloat16 keeps 8 bits of mantissa: the same arithmetic, a looser bound. transformers' own bfloat16 logits are
+    # about 0.09 from float32 here; ours about as far, summed over blocks in a different order.
+    assert torch.allclose(logits[0], theirs, atol=0.2, rtol=0)
 
 
 def test_load_decoder_dispatches_on_model_type(references: dict[str, Reference], tmp_path: Path) -> None:

@@ -87,13 +87,16 @@ class BlockTable:
 
 @dataclass(frozen=True, slots=True)
 class _Range:
-    """Blocks ``lo .. lo + n - 1`` scored against ``owner`` ([n, M] rows, ``rows`` for none) under ``mask``."""
+    """Blocks ``lo .. lo + n - 1`` scored against the rows ``owner`` names ([n * M]), except where ``blocked``.
+
+    A slot with no row names row 0 and is blocked whole: it adds nothing to row 0's maximum, sum or output.
+    """
 
     lo: int
     n: int
     width: int  # M: row slots per block (1 for private blocks, the most sharers for shared ones)
     owner: Any  # torch.Tensor [n * M] long, on the device
-    mask: Any  # torch.Tensor [n, 1, M, 1, T, block_size] bool: True may attend
+    blocked: Any  # torch.Tensor [n, 1, M, 1, T, block_size] bool: True may NOT attend
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +107,7 @@ class AttentionPlan:
     starts: tuple[int, ...]
     steps: int
     ids: tuple[tuple[int, ...], ...] | None
-    write_blocks: Any  # torch.Tensor [rows * T] long
-    write_offsets: Any  # torch.Tensor [rows * T] long
+    write_index: Any  # torch.Tensor [rows * T * kv_heads] long: rows of the pool viewed as [-1, head_dim]
     ranges: tuple[_Range, ...]
 
     @property
@@ -315,7 +317,7 @@ class PagedKVCache:
     ) -> AttentionPlan:
         """Reserve and lay out one forward: row ``r`` appends ``T`` tokens to ``tables[r]`` at ``starts[r]``.
 
-        ``tokens`` is the [rows, T] token tensor (on any device; its ids are kept for prefix sharing) or just
+        ``tokens`` is the [rows, T] token tensor (on the host; its ids are kept for prefix sharing) or just
         ``T``. ``starts`` defaults to each table's length (append); a smaller start rewinds. Raises
         ``ValueError`` for a table repeated in one forward or a bad start, :class:`CacheFull` from the
         reservation (rows before the failing one keep theirs: reserving again takes nothing).
@@ -327,7 +329,7 @@ class PagedKVCache:
             steps, ids = tokens, None
         else:
             steps = int(tokens.shape[1])
-            ids = tuple(tuple(int(t) for t in row) for row in tokens.tolist())
+            ids = tuple(tuple(row) for row in tokens.tolist())
         rows = len(tables)
         if steps < 1 or rows < 1:
             raise ValueError(f"a forward needs rows >= 1 and T >= 1, got {rows} rows of {steps}")
@@ -338,65 +340,77 @@ class PagedKVCache:
             raise ValueError(f"{len(starts)} starts for {rows} rows")
         for table, start in zip(tables, starts, strict=True):
             self.reserve(table, start, start + steps)
-        bs = self.block_size
+        bs, kv_heads = self.block_size, self.kv_heads
         device = self.device
 
-        # Where each new position is written.
+        # Where each new position's keys go, one pool row per kv head: ((block * kv_heads + head) * bs + offset).
         pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(steps, dtype=np.int64)  # [rows, T]
-        write_blocks = np.empty((rows, steps), dtype=np.int64)
-        for r, table in enumerate(tables):
-            write_blocks[r] = np.asarray(table.blocks, dtype=np.int64)[pos[r] // bs]
+        seen = [
+            np.asarray(t.blocks[: self.blocks_for(s + steps)], dtype=np.int64)
+            for t, s in zip(tables, starts, strict=True)
+        ]
+        write_blocks = np.stack([blocks[p // bs] for blocks, p in zip(seen, pos, strict=True)])  # [rows, T]
+        heads = np.arange(kv_heads, dtype=np.int64)
+        write = ((write_blocks[:, :, None] * kv_heads + heads) * bs + (pos % bs)[:, :, None]).reshape(-1)
         # Every (block, row) pair attention reads: the blocks each row sees, up to its last new position.
-        pairs_block: list[Any] = []
-        pairs_row: list[Any] = []
-        pairs_index: list[Any] = []
-        for r, (table, start) in enumerate(zip(tables, starts, strict=True)):
-            n = self.blocks_for(start + steps)
-            pairs_block.append(np.asarray(table.blocks[:n], dtype=np.int64))
-            pairs_row.append(np.full(n, r, dtype=np.int64))
-            pairs_index.append(np.arange(n, dtype=np.int64))
-        block_of = np.concatenate(pairs_block)
-        row_of = np.concatenate(pairs_row)
-        index_of = np.concatenate(pairs_index)
-        # A block read by several rows (a shared prefix) is scored once against all of them; a private block
-        # against its one row. Separate classes, so private blocks do not pay for the widest sharing.
-        order = np.lexsort((row_of, block_of))
-        block_of, row_of, index_of = block_of[order], row_of[order], index_of[order]
-        unique, first, counts = np.unique(block_of, return_index=True, return_counts=True)
+        block_of = np.concatenate(seen)
+        row_of = np.repeat(np.arange(rows, dtype=np.int64), [len(b) for b in seen])
+        index_of = np.concatenate([np.arange(len(b), dtype=np.int64) for b in seen])
         query_pos = torch.as_tensor(pos, device=device)  # [rows, T]
         ranges: list[_Range] = []
-        for shared in (False, True):
-            chosen = np.nonzero(counts > 1 if shared else counts == 1)[0]
-            if not len(chosen):
-                continue
-            width = int(counts[chosen].max())
-            # Split where the blocks of the class leave a gap: unused blocks between them would be scored too.
-            cuts = np.nonzero(np.diff(unique[chosen]) > _GAP_BLOCKS)[0] + 1
-            for part in np.split(chosen, cuts):
-                lo, hi = int(unique[part[0]]), int(unique[part[-1]])
-                n = hi - lo + 1
-                owner = np.full((n, width), rows, dtype=np.int64)  # `rows`: the discarded dummy row
-                at = np.full((n, width), -1, dtype=np.int64)  # the block's index in the row's table
-                slots, starts_of, sizes = unique[part] - lo, first[part], counts[part]
+        if all(self._refs[int(b)] == 1 for b in block_of) if len(block_of) <= 64 else len(np.unique(block_of)) == len(
+            block_of
+        ):
+            # No block read twice (the usual decode, a prefill): one class of private blocks, no grouping needed.
+            order = np.argsort(block_of, kind="stable")
+            classes = [(block_of[order], row_of[order][:, None], index_of[order][:, None])]
+        else:
+            # A block read by several rows (a shared prefix) is scored once against all of them; a private block
+            # against its one row. Separate classes, so private blocks do not pay for the widest sharing.
+            order = np.lexsort((row_of, block_of))
+            block_of, row_of, index_of = block_of[order], row_of[order], index_of[order]
+            unique, first, counts = np.unique(block_of, return_index=True, return_counts=True)
+            classes = []
+            for shared in (False, True):
+                chosen = np.nonzero(counts > 1 if shared else counts == 1)[0]
+                if not len(chosen):
+                    continue
+                width = int(counts[chosen].max())
+                owner = np.zeros((len(chosen), width), dtype=np.int64)
+                at = np.full((len(chosen), width), -1, dtype=np.int64)
+                sizes, firsts = counts[chosen], first[chosen]
                 for c in range(width):
                     sel = sizes > c
-                    owner[slots[sel], c] = row_of[starts_of[sel] + c]
-                    at[slots[sel], c] = index_of[starts_of[sel] + c]
+                    owner[sel, c] = row_of[firsts[sel] + c]
+                    at[sel, c] = index_of[firsts[sel] + c]
+                classes.append((unique[chosen], owner, at))
+        for blocks, owner_of, at_of in classes:
+            width = owner_of.shape[1]
+            # Split where the blocks of a class leave a gap: unused blocks between them would be scored too.
+            cuts = np.nonzero(np.diff(blocks) > _GAP_BLOCKS)[0] + 1
+            for part in np.split(np.arange(len(blocks)), cuts):
+                lo, hi = int(blocks[part[0]]), int(blocks[part[-1]])
+                n = hi - lo + 1
+                slots = blocks[part] - lo
+                owner = np.zeros((n, width), dtype=np.int64)  # a slot no row reads names row 0, blocked whole
+                at = np.full((n, width), -1, dtype=np.int64)  # the block's index in the row's table
+                owner[slots], at[slots] = owner_of[part], at_of[part]
                 owner_t = torch.as_tensor(owner, device=device)
                 at_t = torch.as_tensor(at, device=device)
                 # Key position of each (block, slot, offset); a query at absolute position p sees keys at 0..p,
                 # which is causal order within the new tokens and hides what lies past a row's length.
                 key_pos = at_t[:, :, None] * bs + torch.arange(bs, device=device)  # [n, M, bs]
-                q = torch.cat([query_pos, torch.full((1, steps), -1, device=device, dtype=torch.long)])[owner_t]
-                mask = (key_pos[:, :, None, :] <= q[:, :, :, None]) & (at_t >= 0)[:, :, None, None]
-                ranges.append(_Range(lo=lo, n=n, width=width, owner=owner_t.reshape(-1), mask=mask[:, None, :, None]))
+                q = query_pos[owner_t]  # [n, M, T]
+                blocked = (key_pos[:, :, None, :] > q[:, :, :, None]) | (at_t < 0)[:, :, None, None]
+                ranges.append(
+                    _Range(lo=lo, n=n, width=width, owner=owner_t.reshape(-1), blocked=blocked[:, None, :, None])
+                )
         return AttentionPlan(
             tables=tuple(tables),
             starts=tuple(starts),
             steps=steps,
             ids=ids,
-            write_blocks=torch.as_tensor(write_blocks.reshape(-1), device=device),
-            write_offsets=torch.as_tensor((pos % bs).reshape(-1), device=device),
+            write_index=torch.as_tensor(write, device=device),
             ranges=tuple(ranges),
         )
 
@@ -413,44 +427,85 @@ class PagedKVCache:
         rows, steps, heads, dim = (int(x) for x in q.shape)
         kv_heads = int(k.shape[2])
         group = heads // kv_heads
-        keys[plan.write_blocks, :, plan.write_offsets] = k.reshape(rows * steps, kv_heads, dim).to(keys.dtype)
-        values[plan.write_blocks, :, plan.write_offsets] = v.reshape(rows * steps, kv_heads, dim).to(values.dtype)
-        # [rows + 1, kv_heads, group * T, dim]: the extra row is the dummy that unused slots point at.
+        gt = group * steps
+        keys.view(-1, dim).index_copy_(0, plan.write_index, k.reshape(-1, dim).to(keys.dtype))
+        values.view(-1, dim).index_copy_(0, plan.write_index, v.reshape(-1, dim).to(values.dtype))
+        # [rows, kv_heads, group * T, dim]
         qr = (q * scale).to(keys.dtype).view(rows, steps, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-        qr = torch.cat([qr.reshape(rows, kv_heads, group * steps, dim), qr.new_zeros(1, kv_heads, group * steps, dim)])
+        qr = qr.reshape(rows, kv_heads, gt, dim)
         bs = self.block_size
+        if rows == 1 and all(rng.width == 1 for rng in plan.ranges):
+            return self._attend_alone(plan, qr, keys, values, steps, group).to(q.dtype)
+        alone = rows == 1  # every pair is the one row's: plain reductions instead of scatters
         scores: list[Any] = []
-        row_max = torch.full((rows + 1, kv_heads, group * steps), -math.inf, device=q.device)
+        row_max = torch.full((rows, kv_heads, gt), -math.inf, device=q.device)
         for rng in plan.ranges:
             n, width = rng.n, rng.width
             # Queries laid out per block: [n * kv_heads, M * group * T, dim]
-            qb = qr.index_select(0, rng.owner).view(n, width, kv_heads, group * steps, dim).transpose(1, 2)
-            qb = qb.reshape(n * kv_heads, width * group * steps, dim)
+            qb = qr.expand(n, -1, -1, -1) if alone else qr.index_select(0, rng.owner)
+            if width == 1:
+                qb = qb.reshape(n * kv_heads, gt, dim)
+            else:
+                qb = qb.view(n, width, kv_heads, gt, dim).transpose(1, 2).reshape(n * kv_heads, width * gt, dim)
             kb = keys[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)  # in place: a view of the pool
             s = torch.bmm(qb, kb.transpose(1, 2)).float().view(n, kv_heads, width, group, steps, bs)
-            s = s.masked_fill(~rng.mask, -math.inf)
-            # Per (block, slot) maxima, pair-major, folded into each row's maximum.
-            pair_max = s.amax(dim=-1).transpose(1, 2).reshape(n * width, kv_heads, group * steps)
-            index = rng.owner[:, None, None].expand_as(pair_max)
-            row_max.scatter_reduce_(0, index, pair_max, reduce="amax")
+            s.masked_fill_(rng.blocked, -math.inf)
+            pair_max = s.amax(dim=-1)  # [n, kv_heads, M, group, T]
+            if alone:
+                torch.maximum(row_max, pair_max.amax(dim=(0, 2)).view(1, kv_heads, gt), out=row_max)
+            else:
+                pair_max = pair_max.transpose(1, 2).reshape(n * width, kv_heads, gt)
+                row_max.scatter_reduce_(0, rng.owner[:, None, None].expand_as(pair_max), pair_max, reduce="amax")
             scores.append(s)
-        sums = torch.zeros((rows + 1, kv_heads, group * steps), device=q.device)
-        out = torch.zeros((rows + 1, kv_heads, group * steps, dim), device=q.device)
-        # A row's dummy slots have maximum -inf: exp(-inf - -inf) is NaN there, and only the dummy row collects it.
+        sums = torch.zeros((rows, kv_heads, gt), device=q.device)
+        out = torch.zeros((rows, kv_heads, gt, dim), device=q.device)
         for rng, s in zip(plan.ranges, scores, strict=True):
             n, width = rng.n, rng.width
-            m = row_max.index_select(0, rng.owner).view(n, width, kv_heads, group, steps).transpose(1, 2)
-            e = torch.exp(s - m[..., None])  # [n, kv_heads, M, group, T, bs]
-            pair_sum = e.sum(dim=-1).transpose(1, 2).reshape(n * width, kv_heads, group * steps)
-            sums.index_add_(0, rng.owner, pair_sum)
+            if alone:
+                m = row_max.view(1, kv_heads, 1, group, steps, 1)
+            else:
+                m = row_max.index_select(0, rng.owner).view(n, width, kv_heads, group, steps).transpose(1, 2)[..., None]
+            e = (s - m).exp_()  # [n, kv_heads, M, group, T, bs]
             vb = values[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)
-            o = torch.bmm(e.to(values.dtype).view(n * kv_heads, width * group * steps, bs), vb)
-            o = o.view(n, kv_heads, width, group * steps, dim).transpose(1, 2).reshape(
-                n * width, kv_heads, group * steps, dim
-            )
+            o = torch.bmm(e.to(values.dtype).view(n * kv_heads, width * gt, bs), vb)
+            if alone:
+                sums += e.sum(dim=(0, 2, 5)).view(1, kv_heads, gt)
+                out += o.view(n, kv_heads, gt, dim).sum(dim=0, dtype=torch.float32)[None]
+                continue
+            pair_sum = e.sum(dim=-1).transpose(1, 2).reshape(n * width, kv_heads, gt)
+            sums.index_add_(0, rng.owner, pair_sum)
+            o = o.view(n, kv_heads, width, gt, dim).transpose(1, 2).reshape(n * width, kv_heads, gt, dim)
             out.index_add_(0, rng.owner, o.float())
-        result = (out[:rows] / sums[:rows, :, :, None]).view(rows, kv_heads, group, steps, dim)
+        result = (out / sums[:, :, :, None]).view(rows, kv_heads, group, steps, dim)
         return result.permute(0, 3, 1, 2, 4).reshape(rows, steps, heads * dim).to(q.dtype)
+
+    def _attend_alone(self, plan: AttentionPlan, qr: Any, keys: Any, values: Any, steps: int, group: int) -> Any:
+        """One row (a prefill, a lone decode): every block is its own, so one softmax over all of them."""
+        import torch
+
+        _, kv_heads, gt, dim = (int(x) for x in qr.shape)
+        bs = self.block_size
+        scores = []
+        for rng in plan.ranges:
+            n = rng.n
+            kb = keys[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)
+            s = torch.bmm(qr.expand(n, -1, -1, -1).reshape(n * kv_heads, gt, dim), kb.transpose(1, 2))
+            scores.append(s.float().view(n, kv_heads, group, steps, bs).masked_fill_(rng.blocked[:, :, 0], -math.inf))
+        # [kv_heads, group, T, blocks, bs]: the row's whole history on the last two dims, softmax over both.
+        joined = torch.cat(scores).permute(1, 2, 3, 0, 4)
+        shape = joined.shape
+        p = torch.softmax(joined.reshape(*shape[:3], -1), dim=-1).view(shape).to(values.dtype)
+        out = None
+        at = 0
+        for rng in plan.ranges:
+            n = rng.n
+            vb = values[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)
+            pb = p[:, :, :, at : at + n].permute(3, 0, 1, 2, 4).reshape(n * kv_heads, gt, bs)
+            o = torch.bmm(pb, vb).view(n, kv_heads, gt, dim).sum(dim=0, dtype=torch.float32)
+            out = o if out is None else out + o
+            at += n
+        assert out is not None
+        return out.view(kv_heads, group, steps, dim).permute(2, 0, 1, 3).reshape(1, steps, kv_heads * group * dim)
 
     def commit(self, plan: AttentionPlan) -> None:
         """The forward went through: each table now holds its new positions; full blocks are registered."""
