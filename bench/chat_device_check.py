@@ -1,52 +1,73 @@
-"""Check the chat engine on an accelerator: weights and KV cache on the device, batched greedy decode vs CPU.
+"""Check the chat engine on an accelerator: decoders and the paged KV cache on the device, batched decode vs CPU.
 
-Run from the repository root with torch, safetensors and tokenizers (no tritonclient, no Triton)::
+Run from the repository root with torch, safetensors, tokenizers and jinja2 (no tritonclient, no Triton); the
+tiny Llama-family checkpoints are written with ``transformers``::
 
     PYTHONPATH=. python bench/chat_device_check.py [--device auto|npu|cuda|cpu] [--conversations 16] [--tokens 32]
+        [--families llama,qwen2,mistral] [--checkpoint DIR ...]
 
-It loads the demo checkpoint (server_models/chat/demo_gpt2) on the device a model instance would pick
-(NPU, else CUDA, else CPU; ``--device`` forces one), asserts every weight and every KV-cache tensor lives
-there, and drives the real :class:`ChatEngine` in a pass-by-pass StepLoop (as the model does inside
-Triton): N conversations at once (batched decode), then one alone. The same runs on CPU are the
-reference (when the device is the CPU there is no second run). Checks, each printed:
+Checkpoints: the GPT-2 demo (server_models/chat/demo_gpt2) and a tiny random checkpoint of each Llama family in
+``--families`` (tests/_checkpoints.py's ``write_tiny_llama``, into a temporary folder); or only the folders given
+with ``--checkpoint`` (any that ``load_decoder`` reads; ``python -m tests._checkpoints DIR --family qwen2`` writes
+one where transformers is not installed on the device's machine). Each loads with ``load_decoder`` (float32) on
+the device a model instance would pick (NPU, else CUDA, else CPU; ``--device`` forces one) and, as the
+reference, on the CPU. The check asserts every weight and every KV-cache block lives on the device, and drives the
+real :class:`ChatEngine` on a :class:`PagedKVCache` (prefixes shared, as the chat model runs it) in a pass-by-pass
+StepLoop: N conversations at once (batched decode; conversations share a system prompt five ways, so batches also
+read shared blocks), then one alone. Checks, each printed:
 
 - greedy tokens on the device equal CPU's. On an accelerator a float difference may flip an argmax where
   two logits nearly tie: such a position is reported (conversation, position, the CPU top-2 gap) and
   passes only when the gap is within twice the largest logit difference; on CPU every token must match;
-- the logits of the same token sequences (teacher-forced: the CPU reply fed back) differ by at most
+- the logits of the same token sequences (teacher-forced: the CPU reply fed back), a prefill per prompt (taking
+  a registered system prompt's blocks) and then batched decode through the paged cache, differ by at most
   ``--logit-atol`` between the device and CPU;
-- the engine's greedy tokens are the argmax of a plain batched forward (CPU), and a conversation decoded
-  alone gives the tokens it gets in the batch.
+- the engine's greedy tokens are the argmax of that plain batched forward (CPU), and a conversation decoded
+  alone gives the tokens it gets in the batch;
+- the batched run took shared blocks by reference (more conversations than system prompts).
 
-Then a table: device, conversations, tokens/s batched, tokens/s one conversation, time to first token
-(one conversation alone; median in the batch). Exits 1 on a failed check, 2 when the device is absent.
+Then a table per checkpoint: device, conversations, tokens/s batched, tokens/s one conversation, time to first
+token (one conversation alone; median in the batch).
+
+Without an accelerator (or with ``--device cpu``) both sides are the CPU: a smoke check of this script, the
+decoders and the paged engine (every check runs, the comparisons are CPU against CPU), not of a device.
+Exits 1 on a failed check, 2 when the device is absent or a tiny checkpoint cannot be written.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# bench/ is a folder of scripts, not a package: device_check.py holds the tritonclient-free toolkit import.
+# bench/ is a folder of scripts, not a package: device_check.py holds the tritonclient-free toolkit import; the
+# repository root holds tests/_checkpoints.py (the tiny Llama-family checkpoints).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from device_check import import_toolkit
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "server_models" / "chat" / "demo_gpt2"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "server_models" / "chat" / "demo_gpt2"
+FAMILIES = ("llama", "qwen2", "mistral")
 FINAL = 1  # stands in for pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+BLOCK_SIZE = 16  # the chat model's default kv_block_size
+# Long enough to fill at least one 16-position block in every tokenizer here: conversations with the same system
+# prompt share its blocks.
 SYSTEMS = [
-    "You are a polite young lady in a country house.",
-    "You are an old sailor who has seen every port.",
-    "You are a careful gardener; answer briefly.",
-    "You are the village schoolmaster.",
-    "You are a cheerful cook.",
+    "You are a polite young lady in a country house. You answer every guest kindly and at some length.",
+    "You are an old sailor who has seen every port. You tell long stories about the sea and its storms.",
+    "You are a careful gardener; answer briefly. You know every flower, tree and vegetable of the county.",
+    "You are the village schoolmaster. You turn every question into a short lesson about the river.",
+    "You are a cheerful cook. You talk about bread, soup and pies whatever the question may be.",
 ]
 QUESTIONS = [
     "Where are you going this morning?",
@@ -85,12 +106,13 @@ class Sender:
 
 @dataclasses.dataclass
 class EngineRun:
-    """Greedy reply ids per conversation, and how long the run took."""
+    """Greedy reply ids per conversation, how long the run took, and what the cache did."""
 
     ids: list[list[int]]
     seconds: float
     first_token_s: list[float]
     cache_note: str
+    shared_hits: int
 
     def tokens_s(self) -> float:
         return sum(map(len, self.ids)) / self.seconds
@@ -105,17 +127,32 @@ def on_device(name: str, tensors: list[torch.Tensor], device: torch.device) -> s
     return f"{name}: {len(tensors)} tensors on {device}"
 
 
-def weights(model: Any) -> list[torch.Tensor]:
-    layers = [getattr(layer, f.name) for layer in model.layers for f in dataclasses.fields(layer)]
-    return [model.wte, model.wpe, model.ln_f_weight, model.ln_f_bias, *layers]
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """Every tensor a loaded decoder holds: its dataclass fields, their tuples of layers, the rotary table."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors_of(item)]
+    if dataclasses.is_dataclass(value):
+        return [t for f in dataclasses.fields(value) for t in tensors_of(getattr(value, f.name))]
+    if hasattr(value, "__dict__"):
+        return [t for item in vars(value).values() for t in tensors_of(item)]
+    return []
+
+
+def new_cache(tk: Any, model: Any, conversations: int, max_ctx: int) -> Any:
+    """A paged cache with room for every conversation's whole context, prefixes shared (the chat model's default)."""
+    blocks = conversations * -(-max_ctx // BLOCK_SIZE)
+    return tk.PagedKVCache.for_model(model, num_blocks=blocks, block_size=BLOCK_SIZE, share_prefixes=True)
 
 
 def run_engine(
     tk: Any, model: Any, tokenizer: Any, device: torch.device, conversations: list[int], *, tokens: int, max_ctx: int
 ) -> EngineRun:
     """The conversations' first turns, all submitted at once, through ChatEngine in a StepLoop driven here."""
-    cache = tk.KVCache.allocate(model, slots=len(conversations), max_ctx=max_ctx)
-    cache_note = on_device(f"KV cache {list(cache.keys[0].shape)} per layer", [*cache.keys, *cache.values], device)
+    cache = new_cache(tk, model, len(conversations), max_ctx)
+    shape = list(cache.keys[0].shape)
+    cache_note = on_device(f"KV cache blocks {shape} per layer", [*cache.keys, *cache.values], device)
     engine = tk.ChatEngine(
         model,
         tokenizer,
@@ -123,6 +160,7 @@ def run_engine(
         tk.SequenceSlots(capacity=len(conversations), idle_timeout_s=3600.0),
         respond=lambda response: response,
         refuse=lambda kind, message: ("refused", kind, message),
+        max_ctx=max_ctx,
         default_max_tokens=tokens,
     )
     loop = tk.StepLoop(
@@ -154,9 +192,15 @@ def run_engine(
         assert sender.done, f"conversation {i} did not finish"
         assert getattr(last, "finish", None) == "length", f"conversation {i} ended with {last!r}"
         assert len(turn.reply_ids) == tokens, f"conversation {i}: {len(turn.reply_ids)} tokens, not {tokens}"
+    # Every turn carried END: the conversations are gone and so is every block they held.
+    assert cache.used_blocks == 0, f"{cache.used_blocks} KV blocks still held after every conversation ended"
     firsts = [s.first_at - start for s in senders if s.first_at is not None]
     return EngineRun(
-        ids=[list(t.reply_ids) for t in turns], seconds=seconds, first_token_s=firsts, cache_note=cache_note
+        ids=[list(t.reply_ids) for t in turns],
+        seconds=seconds,
+        first_token_s=firsts,
+        cache_note=cache_note,
+        shared_hits=cache.shared_hits,
     )
 
 
@@ -165,20 +209,23 @@ def teacher_forced_logits(
 ) -> torch.Tensor:
     """Logits [conversations, tokens, vocab] (on the host) that chose each reply token, given ``replies``.
 
-    Prefill each prompt in its own slot, then decode every conversation together, feeding the given
-    reply tokens: the same token sequences on every device, whatever each device would have chosen.
+    Prefill each prompt into its own block table (taking the blocks of a system prompt an earlier one registered,
+    as the engine does), then decode every conversation together, feeding the given reply tokens: the same token
+    sequences through the same paged-cache paths on every device, whatever each device would have chosen.
     """
-    cache = tk.KVCache.allocate(model, slots=len(conversations), max_ctx=max_ctx)
+    cache = new_cache(tk, model, len(conversations), max_ctx)
+    tables = [cache.new_table() for _ in conversations]
     first = []
-    for slot, i in enumerate(conversations):
+    for table, i in zip(tables, conversations, strict=True):
         roles, texts = messages(i)
-        prompt = [t for r, x in zip(roles, texts, strict=True) for t in tokenizer.encode_message(tk.ChatMessage(r, x))]
-        prompt.append(tokenizer.role_ids["assistant"])
-        first.append(tk.gpt2_forward(model, cache, [slot], torch.tensor([prompt], dtype=torch.long))[0])
+        prompt = tokenizer.render(list(zip(roles, texts, strict=True)), add_generation_prompt=True)
+        held = min(cache.adopt_prefix(table, prompt), len(prompt) - 1)
+        todo = torch.tensor([prompt[held:]], dtype=torch.long)
+        first.append(model.forward(cache, [table], todo, [held])[0])
     steps = [torch.stack(first)]
     for t in range(len(replies[0]) - 1):
         fed = torch.tensor([[reply[t]] for reply in replies], dtype=torch.long)
-        steps.append(tk.gpt2_forward(model, cache, list(range(len(conversations))), fed))
+        steps.append(model.forward(cache, tables, fed))
     return torch.stack(steps, dim=1).to("cpu")
 
 
@@ -231,45 +278,45 @@ class Target:
     model: Any
 
 
-def check(tk: Any, device: torch.device, args: argparse.Namespace, *, with_reference: bool) -> bool:
-    """Load, run and compare; print the checks and the table. ``with_reference``: also run on CPU and compare."""
-    tokenizer = tk.ChatTokenizer(args.checkpoint)
+def check(tk: Any, checkpoint: Path, device: torch.device, args: argparse.Namespace) -> bool:
+    """Load ``checkpoint`` on ``device`` and on the CPU, run and compare; print the checks and the table."""
+    tokenizer = tk.CheckpointTokenizer(checkpoint)
     cpu = torch.device("cpu")
-    targets = [Target(name=str(device), device=device, model=tk.load_gpt2(args.checkpoint, device=device))]
-    if with_reference:
-        targets.append(Target(name="cpu (ref)", device=cpu, model=tk.load_gpt2(args.checkpoint, device=cpu)))
-    print(on_device("weights", weights(targets[0].model), device))
+    targets = [
+        Target(name=str(device), device=device, model=tk.load_decoder(checkpoint, device, torch.float32)),
+        Target(name="cpu (ref)", device=cpu, model=tk.load_decoder(checkpoint, cpu, torch.float32)),
+    ]
+    model = targets[0].model
+    family = type(model).__name__
+    max_ctx = min(args.max_ctx, model.max_positions)
+    print(f"\n== {family} ({checkpoint}), max_ctx {max_ctx} ==")
+    print(on_device("weights", tensors_of(model), device))
     conversations = list(range(args.conversations))
     if device.type != "cpu":
-        run_engine(tk, targets[0].model, tokenizer, device, [0], tokens=2, max_ctx=args.max_ctx)  # warm-up
+        run_engine(tk, model, tokenizer, device, [0], tokens=2, max_ctx=max_ctx)  # warm-up
     runs = [
         (
             t,
-            run_engine(tk, t.model, tokenizer, t.device, conversations, tokens=args.tokens, max_ctx=args.max_ctx),
-            run_engine(tk, t.model, tokenizer, t.device, [0], tokens=args.tokens, max_ctx=args.max_ctx),
+            run_engine(tk, t.model, tokenizer, t.device, conversations, tokens=args.tokens, max_ctx=max_ctx),
+            run_engine(tk, t.model, tokenizer, t.device, [0], tokens=args.tokens, max_ctx=max_ctx),
         )
         for t in targets
     ]
-    first, ref = runs[0], runs[-1]  # the device's runs, and the CPU reference's (the same on a CPU-only run)
+    first, ref = runs
     print(first[1].cache_note)
 
     # Every target scores the reference's replies, so each position has the same history everywhere.
     replies = ref[1].ids
-    ref_logits = teacher_forced_logits(tk, ref[0].model, tokenizer, conversations, replies, max_ctx=args.max_ctx)
-    worst = 0.0
-    if with_reference:
-        logits = teacher_forced_logits(tk, first[0].model, tokenizer, conversations, replies, max_ctx=args.max_ctx)
-        worst = float((logits - ref_logits).abs().max())
+    ref_logits = teacher_forced_logits(tk, ref[0].model, tokenizer, conversations, replies, max_ctx=max_ctx)
+    logits = teacher_forced_logits(tk, first[0].model, tokenizer, conversations, replies, max_ctx=max_ctx)
+    worst = float((logits - ref_logits).abs().max())
     # Argmax flips are tolerated only off the CPU, and only at near ties (see compare_tokens).
     flips = device.type != "cpu"
 
     ok = True
     print()
-    if with_reference:
-        what = f"greedy tokens, {first[0].name} vs {ref[0].name}"
-        ok &= compare_tokens(what, first[1].ids, ref[1].ids, ref_logits, flips_allowed=flips, slack=2 * worst)
-    else:
-        print("greedy tokens, device vs cpu: the device is the CPU (no second run to compare)")
+    what = f"greedy tokens, {first[0].name} vs {ref[0].name}"
+    ok &= compare_tokens(what, first[1].ids, ref[1].ids, ref_logits, flips_allowed=flips, slack=2 * worst)
     what = f"engine on {ref[0].name} vs argmax of a plain batched forward"
     plain = greedy(ref_logits, tokenizer.stop_ids)
     ok &= compare_tokens(what, ref[1].ids, plain, ref_logits, flips_allowed=False, slack=0)
@@ -277,12 +324,17 @@ def check(tk: Any, device: torch.device, args: argparse.Namespace, *, with_refer
         what = f"one conversation alone vs in the batch, {t.name}"
         tolerant = flips and t is first[0]
         ok &= compare_tokens(what, alone.ids, batch.ids[:1], ref_logits, flips_allowed=tolerant, slack=2 * worst)
-    if with_reference:
-        within = worst <= args.logit_atol
-        ok &= within
-        verdict = "ok" if within else "FAIL"
-        limit = f"allowed {args.logit_atol:g}"
-        print(f"max |logit difference| {first[0].name} vs cpu, same tokens: {worst:.3g} ({limit}): {verdict}")
+    within = worst <= float(args.logit_atol)
+    ok &= within
+    verdict = "ok" if within else "FAIL"
+    print(f"max |logit difference| {first[0].name} vs cpu, same tokens (prefill + batched decode, paged): "
+          f"{worst:.3g} (allowed {args.logit_atol:g}): {verdict}")  # fmt: skip
+    if len(conversations) > len(SYSTEMS):
+        for t, batch, _ in runs:
+            shared = batch.shared_hits > 0
+            ok &= shared
+            print(f"shared prefix blocks taken in the batch, {t.name}: {batch.shared_hits}: "
+                  f"{'ok' if shared else 'FAIL (conversations with one system prompt shared nothing)'}")  # fmt: skip
 
     head = f"{'device':10s} {'conversations':>13s} {'tokens/s batched':>16s} {'tokens/s one':>12s} "
     print(
@@ -297,17 +349,45 @@ def check(tk: Any, device: torch.device, args: argparse.Namespace, *, with_refer
     return ok
 
 
+def tiny_checkpoints(families: list[str], folder: Path) -> list[Path]:
+    """A tiny random checkpoint of each family, written into ``folder`` (needs transformers)."""
+    from tests._checkpoints import write_tiny_llama
+
+    with contextlib.suppress(ImportError):  # quiet: the progress bar of save_pretrained is noise here
+        from transformers.utils import logging
+
+        disable_progress_bar: Any = logging.disable_progress_bar  # untyped in transformers
+        disable_progress_bar()
+    return [write_tiny_llama(folder / f"tiny-{family}", family) for family in families]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--device", default="auto", help="auto (NPU, else CUDA, else CPU), npu, cuda or cpu")
     parser.add_argument("--conversations", type=int, default=16, help="conversations decoded together (16)")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per reply (32)")
-    parser.add_argument("--max-ctx", type=int, default=512, help="KV-cache positions per conversation (512)")
+    parser.add_argument("--max-ctx", type=int, default=512, help="positions per conversation, at most the model's")
     parser.add_argument("--logit-atol", type=float, default=1e-2, help="largest logit difference allowed (0.01)")
-    parser.add_argument("--checkpoint", type=Path, default=CHECKPOINT, help="checkpoint folder (the demo one)")
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"tiny random checkpoints to write and check besides the GPT-2 demo (comma-separated of "
+        f"{', '.join(FAMILIES)}; empty for none; default all)",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        action="append",
+        default=[],
+        help="check this checkpoint folder instead of the demo and the tiny ones (repeatable)",
+    )
     args = parser.parse_args()
     if args.conversations < 1 or args.tokens < 1:
         parser.error("--conversations and --tokens must be positive")
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        parser.error(f"--families: expected some of {', '.join(FAMILIES)}, given {', '.join(unknown)}")
 
     tk = import_toolkit()
     assert "tritonclient" not in sys.modules, "the toolkit pulled in tritonclient"
@@ -322,7 +402,23 @@ def main() -> int:
     if args.device == "auto" and torch.cuda.is_available() and choice.kind != "cuda" and available.npu == 0:
         print("FAIL: CUDA is available but device choice did not pick it")
         return 1
-    ok = check(tk, device, args, with_reference=device.type != "cpu")
+    if device.type == "cpu":
+        print("the device is the CPU: a smoke check (every check runs, CPU against CPU), not a device check")
+
+    with tempfile.TemporaryDirectory(prefix="chat-device-check-") as folder:
+        checkpoints = list(args.checkpoint)
+        if not checkpoints:
+            try:
+                checkpoints = [DEMO, *tiny_checkpoints(families, Path(folder))]
+            except ImportError as err:
+                print(f"FAIL: writing the tiny checkpoints needs transformers ({err}); write them elsewhere with "
+                      "`python -m tests._checkpoints DIR --family F` and pass --checkpoint DIR")  # fmt: skip
+                return 2
+        results = {str(c): check(tk, c, device, args) for c in checkpoints}
+    print()
+    for name, passed in results.items():
+        print(f"{'ok  ' if passed else 'FAIL'} {name}")
+    ok = all(results.values())
     print("\nOK" if ok else "\nFAIL: a check failed (see above)")
     return 0 if ok else 1
 
