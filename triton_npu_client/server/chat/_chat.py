@@ -786,6 +786,8 @@ class ChatEngine:
         """
         import torch
 
+        # A model's vocabulary may be padded past the tokenizer's (Qwen2's is): those ids are no tokens at all.
+        logits = logits[:, : self.tokenizer.vocab_size]
         early = [row for row, t in enumerate(turns) if t.options and len(t.reply_ids) < t.options.min_tokens]
         if early:
             # Below MIN_TOKENS a reply may not end: the tokens that would end it are never chosen.

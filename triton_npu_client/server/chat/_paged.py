@@ -245,6 +245,10 @@ class PagedKVCache:
             raise ValueError(f"position {start} is not in 0..{table.length} (the conversation's length)")
         if end < start:
             raise ValueError(f"end {end} is before start {start}")
+        if start == table.length and len(table.blocks) * self.block_size >= end:
+            # Appending into blocks it holds (a decode step reserved before its forward): nothing to do. Blocks
+            # past a table's length are never registered or shared (only full blocks within it are).
+            return
         need = self.needed(table, start, end)
         if need > self.free_blocks:
             raise CacheFull(need, self.free_blocks)
@@ -343,24 +347,20 @@ class PagedKVCache:
         bs, kv_heads = self.block_size, self.kv_heads
         device = self.device
 
+        # Every (block, row) pair attention reads: the blocks each row sees, up to its last new position.
+        counts = [(s + steps + bs - 1) // bs for s in starts]
+        block_of = np.array([b for t, n in zip(tables, counts, strict=True) for b in t.blocks[:n]], dtype=np.int64)
+        firsts = np.cumsum([0, *counts[:-1]])
+        row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
+        index_of = np.arange(len(block_of), dtype=np.int64) - np.repeat(firsts, counts)
         # Where each new position's keys go, one pool row per kv head: ((block * kv_heads + head) * bs + offset).
         pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(steps, dtype=np.int64)  # [rows, T]
-        seen = [
-            np.asarray(t.blocks[: self.blocks_for(s + steps)], dtype=np.int64)
-            for t, s in zip(tables, starts, strict=True)
-        ]
-        write_blocks = np.stack([blocks[p // bs] for blocks, p in zip(seen, pos, strict=True)])  # [rows, T]
+        write_blocks = block_of[firsts[:, None] + pos // bs]  # [rows, T]
         heads = np.arange(kv_heads, dtype=np.int64)
         write = ((write_blocks[:, :, None] * kv_heads + heads) * bs + (pos % bs)[:, :, None]).reshape(-1)
-        # Every (block, row) pair attention reads: the blocks each row sees, up to its last new position.
-        block_of = np.concatenate(seen)
-        row_of = np.repeat(np.arange(rows, dtype=np.int64), [len(b) for b in seen])
-        index_of = np.concatenate([np.arange(len(b), dtype=np.int64) for b in seen])
         query_pos = torch.as_tensor(pos, device=device)  # [rows, T]
         ranges: list[_Range] = []
-        if all(self._refs[int(b)] == 1 for b in block_of) if len(block_of) <= 64 else len(np.unique(block_of)) == len(
-            block_of
-        ):
+        if len(np.unique(block_of)) == len(block_of):
             # No block read twice (the usual decode, a prefill): one class of private blocks, no grouping needed.
             order = np.argsort(block_of, kind="stable")
             classes = [(block_of[order], row_of[order][:, None], index_of[order][:, None])]
