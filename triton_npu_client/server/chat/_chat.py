@@ -912,14 +912,6 @@ def _text(value: bytes | str, name: str) -> str:
         raise ValueError(f"{name} is not valid UTF-8: {err}") from None
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def _find_stop(reply: bytearray, stops: Sequence[bytes], sent: int) -> int | None:
     """Where the first stop string starts in ``reply`` (None: none); text already sent is not searched again."""
     best: int | None = None
