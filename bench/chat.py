@@ -24,6 +24,9 @@ The measurements, each the median of ``--repeats`` rounds, contenders alternatin
    `chat_stateless` (the same model and weights, keeping nothing). Both see the same messages and the
    same replies; the time to the first piece of the last turn is compared. Goal: at least 5x faster.
 
+Then bench/chat_cache.py's two tables (``--no-cache`` skips them): conversations held within one ``max_cache_mb``,
+paged vs the slot design, and first-turn TTFT with a shared system prompt, on the GPT-2 demo and a tiny Llama.
+
 Prints the tables, the ratios against their goals, and how it was run. Each measurement is a function
 (``per_token_latency``, ``aggregate``, ``engine_alone``, ``ttft_at_turn``, ...) that ``main`` calls per round
 and prints as a table.
@@ -602,6 +605,10 @@ async def main(args: argparse.Namespace) -> int:
     print_throughput(args, res)
     print_ttft(args, res)
     print_engine_alone(args, res)
+    if not args.no_cache:
+        import chat_cache  # bench/chat_cache.py: the paged KV cache's tables, on a server of its own
+
+        await chat_cache.sections(chat_cache.parse(["--quick"] if args.quick else ["--rounds", str(args.repeats)]))
     print(
         f"Run: `{' '.join(['.venv/bin/python', 'bench/chat.py', *sys.argv[1:]])}` on {platform.node()} "
         f"({platform.processor() or platform.machine()}), Python {platform.python_version()}, "
@@ -623,6 +630,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="a smoke run: --repeats 1 --tokens 8 --chats 4 --turns 3")
     p.add_argument("--no-in-process", action="store_true", help="skip the engine alone (its table and ratios)")
+    p.add_argument("--no-cache", action="store_true", help="skip bench/chat_cache.py's tables")
     args = p.parse_args(argv)
     defaults = {"repeats": (3, 1), "tokens": (64, 8), "chats": (32, 4), "turns": (10, 3)}
     for name, (full, quick) in defaults.items():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import re
@@ -136,7 +138,7 @@ def test_chat_bench_quick(triton_server: LocalTriton) -> None:
     """bench/chat.py prints its three server tables and the engine-alone table, with a ratio against each goal."""
     proc = _run(
         ["bench/chat.py", "--url", triton_server.grpc_url, "--repeats", "1", "--tokens", "8", "--chats", "4",
-         "--turns", "3"],
+         "--turns", "3", "--no-cache"],
         timeout_s=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -162,3 +164,54 @@ def test_score_bench_quick(triton_server: LocalTriton) -> None:
     for fmt in ("npy",):
         assert re.search(rf"^\| \.{fmt} \| now \| [\d.]+ MiB \| [\d.]+ MiB \| \*\*[\d.]+x\*\* \|$", out, re.M), out
     assert re.search(r"^\| 4 \| [\d,.]+ \| [\d,.]+ \| [\d,]+ \| [\d,]+ \| \*\*[\d.]+x\*\* \|$", out, re.M), out
+
+
+def test_chat_cache_bench_figures_and_verdicts(tmp_path: Path) -> None:
+    """bench/chat_cache.py without a server: the slot formula is b1a3b0a's, the length mix has its mean, the
+    generated entries take the parameters, and a ratio under its goal reads NOT met (bench/chat.py --no-cache
+    keeps its own smoke run off these sections: a full run starts a server of four chat models)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        cc = importlib.import_module("chat_cache")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import numpy as np
+
+    from triton_npu_client import write_chat_model
+
+    # b1a3b0a's kv_bytes_per_position for GPT-2: 2 * n_layer * n_embd * element size (float32).
+    assert cc.kv_bytes_per_position(cc.DEMO) == 2 * 4 * 192 * 4
+    # 128 MiB of 1,536-position slots of 6,144 bytes a position: 14 conversations; max_sequences caps too.
+    assert cc.slot_capacity(128, 1536, 6144, 1024) == 14
+    assert cc.slot_capacity(128, 1536, 6144, 3) == 3
+    lengths = cc.length_mix(4000, np.random.default_rng(0), 4096)
+    assert min(lengths) >= cc.MIN_TOKENS
+    assert max(lengths) <= 4096
+    assert 180 <= sum(lengths) / len(lengths) <= 220
+
+    name = write_chat_model(tmp_path, cc.DEMO, name="entry", max_cache_mb=64)
+    config = tmp_path / name / "config.pbtxt"
+    cc.set_parameters(config, share_prefixes="false", evict_min_idle_ms="-1")
+    text = config.read_text()
+    assert 'parameters { key: "evict_min_idle_ms" value: { string_value: "-1" } }' in text
+    assert 'parameters { key: "share_prefixes" value: { string_value: "false" } }' in text
+    assert text.count('key: "evict_min_idle_ms"') == 1
+
+    subject = cc.Subject(
+        label="demo", folder=cc.DEMO, max_ctx=1536, cache_mb=128, bytes_per_position=6144, max_sequences=1024,
+        shared="on", unshared="off",
+    )  # fmt: skip
+    held = cc.Capacity(
+        held=50, live=50, kv_bytes=1, positions=10_000, lengths=[200] * 50, cut_short=0, refused=cc.FULL + ": more"
+    )
+    fast, slow = cc.Opening(ttft_s=0.1, prompt_tokens=30), cc.Opening(ttft_s=0.4, prompt_tokens=530)
+    ttft = cc.Ttft(shared=[cc.Round([fast, fast], 0.1)], unshared=[cc.Round([slow, slow], 0.4)], system_tokens=500)
+    res = cc.Results([subject], capacity={"demo": held}, ttft={"demo": ttft})
+    args = cc.parse(["--quick"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cc.print_capacity(res)
+        cc.print_ttft(args, res)
+    printed = out.getvalue()
+    assert "demo: paged vs the slot design: **3.6x** (goal >= 4x: NOT met)" in printed
+    assert "demo: shared vs not: **4.0x faster** (goal >= 5x: NOT met); by the stub's CPU: 4.0x" in printed
