@@ -404,6 +404,9 @@ class StepLoop(Generic[J]):
 
     def _advance(self, due: list[Stream[J]], now: float) -> None:
         ended: set[int] = set()
+        # The pass's responses go to the outbox at once: one wake-up of its thread per pass, not one per response
+        # (each wake-up takes the GIL from the decode thread).
+        outgoing: list[tuple[Stream[Any], Any, int]] = []
         for stream, out in self._step_isolated(due):
             if isinstance(out, _Failed):
                 ended.add(id(stream))
@@ -418,7 +421,7 @@ class StepLoop(Generic[J]):
             if out.response is None:
                 continue
             if self._outbox is not None:
-                self._outbox.put(stream, out.response, 0)
+                outgoing.append((stream, out.response, 0))
                 continue
             try:
                 stream.sender.send(out.response, flags=0)
@@ -426,6 +429,9 @@ class StepLoop(Generic[J]):
                 _log.warning("sending a response for sequence %r failed: %s", stream.key, err)
                 ended.add(id(stream))
                 self._finish(stream, None, "failed")
+        if outgoing:
+            assert self._outbox is not None
+            self._outbox.put_many(outgoing)
         if ended:
             self._running = [s for s in self._running if id(s) not in ended]
 
@@ -536,8 +542,11 @@ class _Outbox:
         self._thread.start()
 
     def put(self, stream: Stream[Any], response: Any, flags: int) -> None:
+        self.put_many([(stream, response, flags)])
+
+    def put_many(self, items: Sequence[tuple[Stream[Any], Any, int]]) -> None:
         with self._cond:
-            self._queue.append((stream, response, flags))
+            self._queue.extend(items)
             self._cond.notify_all()
 
     def wait_below(self, limit: int) -> None:
@@ -562,17 +571,21 @@ class _Outbox:
                     self._cond.wait()
                 if not self._queue:
                     return
-                stream, response, flags = self._queue[0]
-            if flags:
-                _send_final(stream, response, flags, "final")
-            elif not stream.send_failed:
-                try:
-                    stream.sender.send(response, flags=0)
-                except Exception as err:
-                    _log.warning("sending a response for sequence %r failed: %s", stream.key, err)
-                    stream.send_failed = True  # the loop ends the stream at its next pass
+                # What waits now, sent in one go: the lock and the waiters are touched once per batch. The items
+                # stay queued until sent, so wait_below counts them.
+                batch = list(self._queue)
+            for stream, response, flags in batch:
+                if flags:
+                    _send_final(stream, response, flags, "final")
+                elif not stream.send_failed:
+                    try:
+                        stream.sender.send(response, flags=0)
+                    except Exception as err:
+                        _log.warning("sending a response for sequence %r failed: %s", stream.key, err)
+                        stream.send_failed = True  # the loop ends the stream at its next pass
             with self._cond:
-                self._queue.popleft()
+                for _ in batch:
+                    self._queue.popleft()
                 self._cond.notify_all()
 
 
