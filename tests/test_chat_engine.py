@@ -885,3 +885,28 @@ def test_a_template_that_rewrites_earlier_turns_rewinds_and_stays_exact(rewritin
     # The rewind: turn 3 prefilled more than its own new message (the rewritten past), less than everything.
     own = len(rig.tokenizer.render([("user", "A quiet morning came.")], add_generation_prompt=True))
     assert own < replies[2].last.prompt_tokens < fresh.last.prompt_tokens
+
+
+def test_short_prompts_admitted_together_prefill_in_one_forward_and_equal_each_alone(checkpoint: Path) -> None:
+    """Six second turns of different lengths arriving together: one padded forward prefills them all (a long
+    prompt runs alone, at once); every reply is the one its conversation gets alone."""
+    asks = ["Hi.", "Where are you going this fine morning?", "Go on.", "The cat sat on the mat.", "Why?", "And?"]
+    rig = Rig(checkpoint)
+    for key in range(1, 7):
+        rig.turn(key, ["system", "user"], [f"You are number {key}.", SENTENCES[key % len(SENTENCES)]], max_tokens=6)
+    before = rig.engine.prefill_forwards
+    senders = [rig.submit(key, ["user"], [ask], max_tokens=10) for key, ask in enumerate(asks, start=1)]
+    long = rig.submit(7, ["user"], [" ".join(SENTENCES)], max_tokens=10)  # over 64 tokens: alone
+    rig.loop.run_pass()  # admission: every turn prefilled
+    assert rig.engine.prefill_forwards - before == 2
+    rig.run(*senders, long)
+    for key, (ask, sender) in enumerate(zip(asks, senders, strict=True), start=1):
+        alone = Rig(checkpoint)
+        alone.turn(key, ["system", "user"], [f"You are number {key}.", SENTENCES[key % len(SENTENCES)]], max_tokens=6)
+        again = alone.turn(key, ["user"], [ask], max_tokens=10)
+        assert sender.reply == again.reply
+        assert (sender.last.prompt_tokens, sender.last.context_tokens) == (
+            again.last.prompt_tokens,
+            again.last.context_tokens,
+        )
+    assert long.last.prompt_tokens > 64

@@ -95,6 +95,7 @@ class Decoder(Protocol):
         positions: Sequence[int] | None = None,
         *,
         all_logits: bool = False,
+        last: Sequence[int] | None = None,
     ) -> torch.Tensor: ...
 
 __all__ = [
@@ -337,6 +338,7 @@ class ChatEngine:
         self._stop_list = sorted(tokenizer.stop_ids)
         # Counters, for tests and logs.
         self.prefilled_tokens = 0
+        self.prefill_forwards = 0
         self.decode_passes = 0
         self.rows_decoded = 0
 
@@ -474,6 +476,7 @@ class ChatEngine:
             has_data=[s.job.options is not None for s in new] + [True] * len(touch),
         )
         verdicts: list[Any] = [None] * len(new)
+        short: list[_Prefill] = []
         for row, refusal in plan.errors.items():
             if row >= len(new):
                 continue
@@ -511,11 +514,16 @@ class ChatEngine:
                         self._release(stream.key)  # Triton ends the sequence with this request whatever we answer
                     continue
             try:
-                self._prefill(turn, conv, protected={s.key for s in (*new, *running)})
+                pending = self._prefill(turn, conv, protected={s.key for s in (*new, *running)})
             except _TurnRefused as err:
                 verdicts[row] = self._refuse(err.kind, str(err))
                 if turn.end:
                     self._release(stream.key)
+                continue
+            if pending is not None:
+                short.append(pending)
+        # Short prompts (the usual next turn of a conversation) are prefilled together, a forward for many turns.
+        self._prefill_together(short)
         # END with no messages: report the conversation as it stands, then free it (no step).
         for row, closing in plan.closes.items():
             if row >= len(new):
@@ -721,8 +729,12 @@ class ChatEngine:
         messages = kept + droppable[k:] + last
         return _Rendered(version=version, messages=messages, pinned=len(kept), dropped=k, ids=ids)
 
-    def _prefill(self, turn: ChatTurn, conv: Conversation, protected: set[CorrelationId]) -> None:
-        """Render the turn (unless parse did, against this history), then prefill what the table lacks."""
+    def _prefill(self, turn: ChatTurn, conv: Conversation, protected: set[CorrelationId]) -> _Prefill | None:
+        """Render the turn (unless parse did, against this history), then prefill what the table lacks.
+
+        A long prefill runs here and now, so that its full blocks are registered before the next turn of the same
+        admission looks for a shared prefix; a short one is returned, to run with the others (``_prefill_together``).
+        """
         import torch
 
         options = turn.options
@@ -739,14 +751,60 @@ class ChatEngine:
         start = min(self.cache.adopt_prefix(table, ids), len(ids) - 1)
         self._reserve(table, start, len(ids), protected, new=True)
         todo = ids[start:]
-        logits = self.model.forward(self.cache, [table], torch.tensor([todo], dtype=torch.long), [start])
-        self.prefilled_tokens += len(todo)
-        turn.prompt_tokens = len(todo)
-        turn.logits = logits[0]
         if not options.greedy:
             generator = torch.Generator(device=self.model.device)
             generator.manual_seed(options.seed if options.seed is not None else int.from_bytes(os.urandom(8), "little"))
             turn.generator = generator
+        turn.prompt_tokens = len(todo)
+        if len(todo) <= _SHORT_PREFILL:
+            return _Prefill(turn=turn, table=table, start=start, todo=todo)
+        logits = self.model.forward(self.cache, [table], torch.tensor([todo], dtype=torch.long), [start])
+        self.prefilled_tokens += len(todo)
+        self.prefill_forwards += 1
+        turn.logits = logits[0]
+        return None
+
+    def _prefill_together(self, pending: list[_Prefill]) -> None:
+        """Prefill short prompts in few forwards: rows of similar length padded to one T.
+
+        A row's padding (its last token repeated) lies after its prompt, so causal attention keeps it out of the
+        prompt's positions; its logits are taken at its own last token, and its table is cut back to its prompt
+        after the forward. A row whose padding finds no free block runs alone, unpadded.
+        """
+        import torch
+
+        pending = sorted(pending, key=lambda p: len(p.todo))
+        while pending:
+            group = [pending.pop(0)]
+            # Padding is wasted work: a group grows while its padded size stays within twice its real tokens.
+            while pending and len(group) < _PREFILL_ROWS:
+                width = len(pending[0].todo)
+                if width * (len(group) + 1) > 2 * (sum(len(p.todo) for p in group) + width):
+                    break
+                group.append(pending.pop(0))
+            steps = max(len(p.todo) for p in group)
+            rows = []
+            for p in group:
+                try:
+                    self.cache.reserve(p.table, p.start, p.start + steps)
+                    rows.append(p)
+                except CacheFull:
+                    logits = self.model.forward(self.cache, [p.table], torch.tensor([p.todo]), [p.start])
+                    p.turn.logits = logits[0]
+                    self.prefilled_tokens += len(p.todo)
+                    self.prefill_forwards += 1
+            if not rows:
+                continue
+            tokens = torch.tensor([p.todo + [p.todo[-1]] * (steps - len(p.todo)) for p in rows], dtype=torch.long)
+            logits = self.model.forward(
+                self.cache, [p.table for p in rows], tokens, [p.start for p in rows],
+                last=[len(p.todo) - 1 for p in rows],
+            )
+            self.prefill_forwards += 1
+            for row, p in enumerate(rows):
+                self.cache.reserve(p.table, p.start + len(p.todo), p.start + len(p.todo))  # the padding goes
+                p.turn.logits = logits[row]
+                self.prefilled_tokens += len(p.todo)
 
     def _reserve(self, table: BlockTable, start: int, end: int, protected: set[CorrelationId], *, new: bool) -> None:
         """Reserve positions, making idle conversations give way when the pool is out of blocks."""
@@ -890,6 +948,22 @@ class ChatEngine:
             kv_bytes=self.kv_bytes if finish else 0,
             digest=digest,
         )
+
+
+#: Prompts this short (a conversation's next turn, usually) are prefilled together; longer ones alone, at once.
+_SHORT_PREFILL: Final = 64
+#: The most turns one batched prefill takes.
+_PREFILL_ROWS: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefill:
+    """A turn ready to prefill: ``todo`` are the prompt's ids from position ``start`` of ``table`` on."""
+
+    turn: ChatTurn
+    table: BlockTable
+    start: int
+    todo: list[int]
 
 
 class _TurnRefused(ValueError):

@@ -145,8 +145,9 @@ class GPT2:
         positions: Sequence[int] | None = None,
         *,
         all_logits: bool = False,
+        last: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        return forward(self, cache, tables, tokens, positions, all_logits=all_logits)
+        return forward(self, cache, tables, tokens, positions, all_logits=all_logits, last=last)
 
 
 # Our field name -> the Hugging Face key suffix under ``h.<i>.``.
@@ -217,6 +218,7 @@ def forward(
     positions: Sequence[int] | None = None,
     *,
     all_logits: bool = False,
+    last: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Run one step: append ``tokens`` [rows, T] to the conversations ``tables`` (one per row).
 
@@ -226,9 +228,10 @@ def forward(
     defaults to each table's length (append); a smaller position rewinds the table, dropping what
     followed. Afterwards ``tables[b].length == positions[b] + T``.
 
-    Returns float logits [rows, vocab] for each row's last token, or [rows, T, vocab] with
-    ``all_logits``. Raises ``ValueError`` for a repeated table, mismatched shapes or positions past a
-    table's length or the model's positions, :class:`~._paged.CacheFull` when the pool lacks blocks.
+    Returns float logits [rows, vocab] for each row's last token (``last[b]``: row ``b``'s own last
+    position, for rows padded to one T), or [rows, T, vocab] with ``all_logits``. Raises ``ValueError``
+    for a repeated table, mismatched shapes or positions past a table's length or the model's positions,
+    :class:`~._paged.CacheFull` when the pool lacks blocks.
     """
     import torch
     import torch.nn.functional as F
@@ -267,7 +270,10 @@ def forward(
     cache.commit(plan)
     # The vocabulary projection is the largest matmul of a decode step; a step that only samples the
     # next token projects the last position alone.
-    if not all_logits:
+    if last is not None:
+        # Rows of different lengths padded to one T (a batched prefill): each row's own last token.
+        x = x[torch.arange(rows, device=x.device), torch.tensor(list(last), device=x.device)]
+    elif not all_logits:
         x = x[:, -1]
     x = F.layer_norm(x, (config.n_embd,), model.ln_f_weight, model.ln_f_bias, config.layer_norm_epsilon)
     return (x @ model.wte.T).float()

@@ -442,9 +442,10 @@ class Llama:
         positions: Sequence[int] | None = None,
         *,
         all_logits: bool = False,
+        last: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """See the module-level :func:`forward`."""
-        return forward(self, cache, tables, tokens, positions, all_logits=all_logits)
+        return forward(self, cache, tables, tokens, positions, all_logits=all_logits, last=last)
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -582,6 +583,7 @@ def forward(
     positions: Sequence[int] | None = None,
     *,
     all_logits: bool = False,
+    last: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Run one step: append ``tokens`` [rows, T] to the conversations of ``tables`` (one table per row).
 
@@ -591,7 +593,8 @@ def forward(
     position rewinds (the cache's plan decides what a rewind may do). Afterwards each table's length is
     ``positions[b] + T``.
 
-    Returns float logits [rows, vocab] for each row's last token, or [rows, T, vocab] with ``all_logits``.
+    Returns float logits [rows, vocab] for each row's last token (``last[b]``: row ``b``'s own last position, for
+    rows padded to one T), or [rows, T, vocab] with ``all_logits``.
     Raises ``ValueError`` for mismatched shapes, token ids outside the vocabulary or positions past
     :attr:`Llama.max_positions`, and whatever the cache's ``plan`` raises (``ValueError``, ``CacheFull``)
     before anything is written.
@@ -645,6 +648,9 @@ def forward(
     cache.commit(plan)
     # The vocabulary projection is the largest matmul of a decode step; a step that only samples the
     # next token projects the last position alone.
-    if not all_logits:
+    if last is not None:
+        # Rows of different lengths padded to one T (a batched prefill): each row's own last token.
+        x = x[torch.arange(rows, device=x.device), torch.tensor(list(last), device=x.device)]
+    elif not all_logits:
         x = x[:, -1]
     return F.linear(_rms_norm(x, model.norm_weight, eps), model.lm_head).float()
