@@ -847,6 +847,7 @@ def test_a_full_cache_makes_the_longest_idle_conversation_give_way_else_refuses_
     rig.run(third)
     assert third.refusal[0] == "capacity"
     assert "KV cache is full" in third.refusal[1]
+    assert "[triton-npu:capacity]" in third.refusal[1]  # the client's SequenceCapacityError
     # A reply that cannot grow ends with "context"; its conversation goes on.
     rig.clock.now += 0.5
     grower = rig.turn(2, ["user"], ["Go on and on."], max_tokens=200, min_tokens=200)

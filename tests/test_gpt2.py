@@ -239,3 +239,22 @@ def test_rewind_and_bad_steps(reference: tuple[transformers.GPT2LMHeadModel, Pat
     with pytest.raises(ValueError, match="n_positions"):
         gpt2_forward(model, cache, [table], torch.tensor([list(range(60))]))
     assert (table.length, empty.length) == (6, 0)
+
+
+def test_blocks_are_taken_in_runs_and_a_table_grows_in_place(model: GPT2) -> None:
+    """Attention scores consecutive blocks as one range: a prefill takes a consecutive run of free blocks even in
+    a fragmented pool, and a growing table takes the block right after its last one when it is free."""
+    cache = new_cache(model, blocks=40)
+    tables = [cache.new_table() for _ in range(10)]
+    for table in tables:
+        cache.reserve(table, 0, 4 * 3)  # 3 blocks each: 0..29
+    for table in tables[::2]:
+        cache.release(table)  # free: 0-2, 6-8, 12-14, ... and 30-39
+    big = cache.new_table()
+    cache.reserve(big, 0, 4 * 5)
+    assert big.blocks == list(range(30, 35))  # the first run of 5, not the five lowest free blocks
+    small = cache.new_table()
+    gpt2_forward(model, cache, [small], torch.tensor([prompt(40, 4)]))
+    assert small.blocks == [0]
+    gpt2_forward(model, cache, [small], torch.tensor([[5]]))
+    assert small.blocks == [0, 1]  # grown in place

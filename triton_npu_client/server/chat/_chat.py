@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 from .._controls import CorrelationId, SequenceControls
 from .._digest import EMPTY, history_digest
 from .._generate import ExitReason, StepOutput, Stream
-from .._markers import SEQUENCE_UNKNOWN
+from .._markers import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 from .._state import SequenceSlots
 from ._paged import BlockTable, CacheFull, PagedKVCache
 
@@ -822,9 +822,9 @@ class ChatEngine:
                     raise
                 raise _TurnRefused(
                     "capacity",
-                    f"the KV cache is full: the turn needs {full.needed} more blocks of {self.cache.block_size} "
-                    f"positions and {full.free} are free, and no conversation has idled long enough to give way "
-                    "(parameter max_cache_mb); try again later",
+                    f"{SEQUENCE_CAPACITY} the KV cache is full: the turn needs {full.needed} more blocks of "
+                    f"{self.cache.block_size} positions and {full.free} are free, and no conversation has idled long "
+                    "enough to give way (parameter max_cache_mb); try again later",
                 ) from None
 
     def _grow(self, table: BlockTable, protected: set[CorrelationId]) -> bool:

@@ -27,7 +27,7 @@ torch is imported inside the functions, never at module level.
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import itertools
 import math
 from collections import OrderedDict
@@ -149,8 +149,9 @@ class PagedKVCache:
         self.share_prefixes = share_prefixes
         self.block_bytes = 2 * layers * kv_heads * block_size * head_dim * self.keys[0].element_size()
         self._refs = [0] * num_blocks
-        # Free blocks holding nothing registered, lowest first: live blocks stay packed at the low end of the
-        # pool, so the ranges attention scores stay few and dense.
+        # Free blocks holding nothing registered, sorted: the lowest are taken first, in consecutive runs where
+        # possible, so live blocks stay packed at the low end of the pool and the ranges attention scores stay few
+        # and dense.
         self._free = list(range(num_blocks))
         # Free blocks that keep a registration, least recently freed first: taken only when _free is empty.
         self._cached: OrderedDict[int, None] = OrderedDict()
@@ -277,8 +278,9 @@ class PagedKVCache:
                 self.copies += 1
             else:
                 self._unregister(last)  # its tail is about to change: nobody may take it as it was
-        while len(table.blocks) < want:
-            table.blocks.append(self._take())
+        if len(table.blocks) < want:
+            after = table.blocks[-1] if table.blocks else None
+            table.blocks.extend(self._take_run(want - len(table.blocks), after=after))
 
     def adopt_prefix(self, table: BlockTable, ids: Sequence[int], *, keep_last: bool = True) -> int:
         """Take registered blocks of ``ids``' longest registered prefix where ``table`` holds less of it.
@@ -386,8 +388,9 @@ class PagedKVCache:
                 classes.append((unique[chosen], owner, at))
         for blocks, owner_of, at_of in classes:
             width = owner_of.shape[1]
-            # Split where the blocks of a class leave a gap: unused blocks between them would be scored too.
-            cuts = np.nonzero(np.diff(blocks) > _GAP_BLOCKS)[0] + 1
+            # Split where the blocks of a class leave a gap: unused blocks between them would be scored too, against
+            # every row of the class (a shared range: never worth it).
+            cuts = np.nonzero(np.diff(blocks) > (_GAP_BLOCKS if width == 1 else 1))[0] + 1
             for part in np.split(np.arange(len(blocks)), cuts):
                 lo, hi = int(blocks[part[0]]), int(blocks[part[-1]])
                 n = hi - lo + 1
@@ -543,9 +546,33 @@ class PagedKVCache:
         if entry is not None:
             del self._index[entry]
 
+    def _take_run(self, count: int, *, after: int | None) -> list[int]:
+        """``count`` blocks, consecutive where the free list has such a run: right after ``after`` (the table's last
+        block, so a conversation grows in place), else the lowest run. Attention scores consecutive blocks as one
+        range; a conversation scattered among others' blocks costs a range per piece, or scores the gaps."""
+        import numpy as np
+
+        free = self._free
+        at: int | None = None
+        if after is not None:
+            i = bisect.bisect_left(free, after + 1)
+            if i + count <= len(free) and free[i] == after + 1 and free[i + count - 1] == after + count:
+                at = i
+        if at is None and count > 1 and len(free) >= count:
+            ids = np.asarray(free, dtype=np.int64)
+            runs = np.nonzero(ids[count - 1 :] - ids[: len(ids) - count + 1] == count - 1)[0]
+            at = int(runs[0]) if len(runs) else None
+        if at is None:
+            return [self._take() for _ in range(count)]
+        taken = free[at : at + count]
+        del free[at : at + count]
+        for block in taken:
+            self._refs[block] = 1
+        return taken
+
     def _take(self) -> int:
         if self._free:
-            block = heapq.heappop(self._free)
+            block = self._free.pop(0)
         else:
             block, _ = self._cached.popitem(last=False)
             self._unregister(block)
@@ -567,7 +594,7 @@ class PagedKVCache:
             if block in self._registered:
                 self._cached[block] = None
             else:
-                heapq.heappush(self._free, block)
+                bisect.insort(self._free, block)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
