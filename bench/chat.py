@@ -58,6 +58,8 @@ PARAGRAPH = (
     "very little to distress or vex her. "
 )
 CHECKPOINT = Path(__file__).resolve().parents[1] / "server_models" / "chat" / "demo_gpt2"
+#: What the tables measured (the packaged `chat` model unless --checkpoint or --llama); set by main.
+SUBJECT = "the GPT-2 demo (server_models/chat)"
 MAX_CTX = 1280  # the served `chat` model's max_ctx
 QUESTIONS = [
     "Where are you going this morning?",
@@ -391,7 +393,7 @@ class EngineAlone:
         cache = PagedKVCache.for_model(self.model, num_blocks=MAX_CTX // 16 + 1, block_size=16)
         table = cache.new_table()
         cache.reserve(table, 0, history + 1)
-        self.model.forward(cache, [table], torch.randint(0, 4000, (1, history)))
+        self.model.forward(cache, [table], torch.randint(0, self.tokenizer.vocab_size, (1, history)))
         token = torch.tensor([[5]])
         start = time.perf_counter()
         for _ in range(100):
@@ -588,11 +590,53 @@ def print_engine_alone(args: argparse.Namespace, res: Results) -> None:
     )
 
 
+def checkpoint_repository(work: Path, checkpoint: Path) -> Path:
+    """A repository serving ``checkpoint`` as `chat` and `chat_stateless`, configured as the packaged pair.
+
+    Both entries come from ``write_chat_model`` with the packaged `chat` model's max_ctx and KV-cache budget; the
+    twin then loses sequence batching and prefix sharing, as server_models/chat_stateless differs from chat.
+    """
+    import re
+
+    from triton_npu_client import write_chat_model
+
+    repository = work / "repository"
+    for name, budget in (("chat", 512), ("chat_stateless", 256)):
+        write_chat_model(
+            repository, checkpoint, name=name, max_ctx=MAX_CTX, dtype="float32", device="cpu", max_cache_mb=budget
+        )
+    twin = repository / "chat_stateless" / "config.pbtxt"
+    text, removed = re.subn(r"^sequence_batching \{\n.*?^\}\n", "", twin.read_text(), flags=re.MULTILINE | re.DOTALL)
+    shared = '"share_prefixes" value: { string_value: "true" }'
+    if removed != 1 or shared not in text:
+        raise RuntimeError(f"{twin}: the generated config is not the packaged chat config")
+    twin.write_text(text.replace(shared, '"share_prefixes" value: { string_value: "false" }'))
+    return repository
+
+
 async def main(args: argparse.Namespace) -> int:
+    global CHECKPOINT, SUBJECT
     async with contextlib.AsyncExitStack() as stack:
-        if args.url is None:
+        if args.llama or args.checkpoint is not None:
+            import tempfile
+
+            import chat_cache  # bench/chat_cache.py: its tiny Llama, as wide and deep as the GPT-2 demo
+
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-chat-")))
+            if args.checkpoint is None:
+                CHECKPOINT = chat_cache.write_tiny_llama(work / "tiny_llama", "demo")
+                SUBJECT = "a tiny random Llama (bench/chat_cache.py's, the GPT-2 demo's shape: 4 layers of 192)"
+            else:
+                CHECKPOINT = Path(args.checkpoint)  # made absolute by parse()
+                SUBJECT = str(CHECKPOINT)
+            if args.url is not None:
+                raise SystemExit("--url serves its own models: --checkpoint and --llama start a server of their own")
+            server = await stack.enter_async_context(LocalTriton(checkpoint_repository(work, CHECKPOINT)))
+            args.url = server.grpc_url
+        elif args.url is None:
             server = await stack.enter_async_context(LocalTriton())
             args.url = server.grpc_url
+        print(f"Measured: {SUBJECT}.\n")
         client = await stack.enter_async_context(Client(args.url, timeout_s=300))
         chat, twin = await client.model("chat"), await client.model("chat_stateless")
         procs = Processes.find(args.url, "chat")
@@ -631,7 +675,14 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run: --repeats 1 --tokens 8 --chats 4 --turns 3")
     p.add_argument("--no-in-process", action="store_true", help="skip the engine alone (its table and ratios)")
     p.add_argument("--no-cache", action="store_true", help="skip bench/chat_cache.py's tables")
+    p.add_argument(
+        "--checkpoint", default=None,
+        help="measure this checkpoint folder (served as chat and chat_stateless, configured as the packaged pair)",
+    )
+    p.add_argument("--llama", action="store_true", help="measure a tiny random Llama of the GPT-2 demo's shape")
     args = p.parse_args(argv)
+    if args.checkpoint is not None:
+        args.checkpoint = str(Path(args.checkpoint).resolve())
     defaults = {"repeats": (3, 1), "tokens": (64, 8), "chats": (32, 4), "turns": (10, 3)}
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
