@@ -111,19 +111,24 @@ def _device_check(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_chat_device_check_on_cpu() -> None:
-    """On a CPU-only machine the chat device check picks the CPU, passes its checks and names the device."""
-    proc = _device_check("--conversations", "3", "--tokens", "5", "--max-ctx", "128")
+    """On a CPU-only machine the chat device check picks the CPU, says it is a smoke check, passes its checks on
+    the GPT-2 demo and a tiny Llama (paged cache, batched decode) and names the device."""
+    proc = _device_check("--conversations", "3", "--tokens", "5", "--max-ctx", "256", "--families", "llama")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].endswith("-> cpu")
-    assert re.fullmatch(r"weights: \d+ tensors on cpu", lines[1])
-    # Three conversations' slots, 128 positions each, keys and values of every layer.
-    assert re.fullmatch(r"KV cache \[3, \d+, 128, \d+\] per layer: \d+ tensors on cpu", lines[2])
-    assert "engine on cpu vs argmax of a plain batched forward: equal (3 conversations x 5 tokens)" in lines
-    header = next(i for i, line in enumerate(lines) if line.startswith("device "))
-    row = lines[header + 1].split()
-    assert row[:2] == ["cpu", "3"]
-    assert all(float(cell.replace(",", "")) > 0 for cell in row[2:6])
+    assert "a smoke check" in lines[1]
+    sections = [i for i, line in enumerate(lines) if line.startswith("== ")]
+    assert [lines[i].split()[1] for i in sections] == ["GPT2", "Llama"]
+    for at in sections:
+        assert re.fullmatch(r"weights: \d+ tensors on cpu", lines[at + 1])
+        # Three conversations' blocks of 16 positions (256 each), keys and values of every layer.
+        assert re.fullmatch(r"KV cache blocks \[48, \d+, 16, \d+\] per layer: \d+ tensors on cpu", lines[at + 2])
+    wanted = "engine on cpu (ref) vs argmax of a plain batched forward: equal (3 conversations x 5 tokens)"
+    assert lines.count(wanted) == 2
+    rows = [lines[i + 1].split() for i, line in enumerate(lines) if line.startswith("device ")]
+    assert [row[:2] for row in rows] == [["cpu", "3"], ["cpu", "3"]]
+    assert all(float(cell.replace(",", "")) > 0 for row in rows for cell in row[2:6])
     assert lines[-1] == "OK"
 
 
