@@ -122,8 +122,8 @@ def test_chat_device_check_on_cpu() -> None:
     assert [lines[i].split()[1] for i in sections] == ["GPT2", "Llama"]
     for at in sections:
         assert re.fullmatch(r"weights: \d+ tensors on cpu", lines[at + 1])
-        # Three conversations' blocks of 16 positions (256 each), keys and values of every layer.
-        assert re.fullmatch(r"KV cache blocks \[48, \d+, 16, \d+\] per layer: \d+ tensors on cpu", lines[at + 2])
+        # Per kv head, three conversations' blocks of 16 positions (256 each), keys and values of every layer.
+        assert re.fullmatch(r"KV cache blocks \[\d+, 48, 16, \d+\] per layer: \d+ tensors on cpu", lines[at + 2])
     wanted = "engine on cpu (ref) vs argmax of a plain batched forward: equal (3 conversations x 5 tokens)"
     assert lines.count(wanted) == 2
     rows = [lines[i + 1].split() for i, line in enumerate(lines) if line.startswith("device ")]

@@ -6,11 +6,12 @@ grows one block at a time. Why shared: 32 conversations that open with the same 
 store and prefill it 32 times; here the full blocks of a token prefix are registered under the prefix itself and
 a conversation whose history starts the same way takes them by reference (vLLM's automatic prefix caching).
 
-**Layout.** Per layer, keys and values are ``[num_blocks, kv_heads, block_size, head_dim]``: block first, so that
-any range of consecutive blocks is one contiguous view ``[n * kv_heads, block_size, head_dim]`` that a batched
-matmul reads in place. Attention never gathers a conversation's history into a copy: it scores the queries
-against each block where it lies (:meth:`PagedKVCache.attend`), and only the queries, a block's worth of rows at
-a time, are copied.
+**Layout.** Per layer, keys and values are ``[kv_heads, num_blocks, block_size, head_dim]``: per head, the blocks
+lie end to end, so a run of consecutive blocks is one contiguous ``[kv_heads, n * block_size, head_dim]`` view
+(one matmul per head scores a lone conversation's whole run, as a slot cache would), and a range of blocks read by
+several rows is ``[n, block_size, head_dim]`` per head (one batched matmul scores each block against its own
+rows). Attention never gathers a conversation's history into a copy: it scores the queries against each block
+where it lies (:meth:`PagedKVCache.attend`); only the queries are copied, laid out per block.
 
 **Sharing and copy-on-write.** A full block is registered under ``(its parent's registration, its token ids)``:
 an exact key (dict equality, no hash that could collide), so a block is reused only by a conversation whose
@@ -96,7 +97,8 @@ class _Range:
     n: int
     width: int  # M: row slots per block (1 for private blocks, the most sharers for shared ones)
     owner: Any  # torch.Tensor [n * M] long, on the device
-    blocked: Any  # torch.Tensor [n, 1, M, 1, T, block_size] bool: True may NOT attend
+    blocked: Any  # torch.Tensor [1, n, M, 1, T, block_size] bool: True may NOT attend
+    flat: Any  # a lone row's (M = 1) mask as [T, n * block_size], the layout of a run's scores; None otherwise
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +139,7 @@ class PagedKVCache:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         dtype = torch.float32 if dtype is None else dtype
-        shape = (num_blocks, kv_heads, block_size, head_dim)
+        shape = (kv_heads, num_blocks, block_size, head_dim)
         # zeros, not empty: masked garbage could still be NaN or inf, and 0 * NaN in the value product poisons a row.
         self.keys = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers))
         self.values = tuple(torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers))
@@ -272,7 +274,7 @@ class PagedKVCache:
             if self._refs[last] > 1:
                 copy = self._take()
                 for pool in (*self.keys, *self.values):
-                    pool[copy, :, : start % bs] = pool[last, :, : start % bs]
+                    pool[:, copy, : start % bs] = pool[:, last, : start % bs]
                 self._unref(last)
                 table.blocks[kept - 1] = copy
                 self.copies += 1
@@ -355,11 +357,11 @@ class PagedKVCache:
         firsts = np.cumsum([0, *counts[:-1]])
         row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
         index_of = np.arange(len(block_of), dtype=np.int64) - np.repeat(firsts, counts)
-        # Where each new position's keys go, one pool row per kv head: ((block * kv_heads + head) * bs + offset).
+        # Where each new position's keys go, one pool row per kv head: ((head * num_blocks + block) * bs + offset).
         pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(steps, dtype=np.int64)  # [rows, T]
         write_blocks = block_of[firsts[:, None] + pos // bs]  # [rows, T]
         heads = np.arange(kv_heads, dtype=np.int64)
-        write = ((write_blocks[:, :, None] * kv_heads + heads) * bs + (pos % bs)[:, :, None]).reshape(-1)
+        write = ((heads * self.num_blocks + write_blocks[:, :, None]) * bs + (pos % bs)[:, :, None]).reshape(-1)
         query_pos = torch.as_tensor(pos, device=device)  # [rows, T]
         ranges: list[_Range] = []
         if len(np.unique(block_of)) == len(block_of):
@@ -405,8 +407,11 @@ class PagedKVCache:
                 key_pos = at_t[:, :, None] * bs + torch.arange(bs, device=device)  # [n, M, bs]
                 q = query_pos[owner_t]  # [n, M, T]
                 blocked = (key_pos[:, :, None, :] > q[:, :, :, None]) | (at_t < 0)[:, :, None, None]
+                flat = blocked[:, 0].permute(1, 0, 2).reshape(steps, n * bs) if rows == 1 and width == 1 else None
                 ranges.append(
-                    _Range(lo=lo, n=n, width=width, owner=owner_t.reshape(-1), blocked=blocked[:, None, :, None])
+                    _Range(
+                        lo=lo, n=n, width=width, owner=owner_t.reshape(-1), blocked=blocked[None, :, :, None], flat=flat
+                    )
                 )
         return AttentionPlan(
             tables=tuple(tables),
@@ -436,77 +441,63 @@ class PagedKVCache:
         # [rows, kv_heads, group * T, dim]
         qr = (q * scale).to(keys.dtype).view(rows, steps, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
         qr = qr.reshape(rows, kv_heads, gt, dim)
+        if rows == 1 and all(rng.flat is not None for rng in plan.ranges):
+            return self._attend_alone(plan, qr[0], keys, values, steps, group).to(q.dtype)
         bs = self.block_size
-        if rows == 1 and all(rng.width == 1 for rng in plan.ranges):
-            return self._attend_alone(plan, qr, keys, values, steps, group).to(q.dtype)
-        alone = rows == 1  # every pair is the one row's: plain reductions instead of scatters
         scores: list[Any] = []
         row_max = torch.full((rows, kv_heads, gt), -math.inf, device=q.device)
         for rng in plan.ranges:
             n, width = rng.n, rng.width
-            # Queries laid out per block: [n * kv_heads, M * group * T, dim]
-            qb = qr.expand(n, -1, -1, -1) if alone else qr.index_select(0, rng.owner)
-            if width == 1:
-                qb = qb.reshape(n * kv_heads, gt, dim)
-            else:
-                qb = qb.view(n, width, kv_heads, gt, dim).transpose(1, 2).reshape(n * kv_heads, width * gt, dim)
-            kb = keys[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)  # in place: a view of the pool
-            s = torch.bmm(qb, kb.transpose(1, 2)).float().view(n, kv_heads, width, group, steps, bs)
+            # Queries laid out per block, per head: [kv_heads, n, M * group * T, dim]
+            qb = qr.index_select(0, rng.owner).view(n, width, kv_heads, gt, dim).permute(2, 0, 1, 3, 4)
+            qb = qb.reshape(kv_heads, n, width * gt, dim)
+            # Per head, the range's blocks are [n, bs, dim] views of the pool: a block against its own rows.
+            s = torch.stack(
+                [torch.bmm(qb[h], keys[h, rng.lo : rng.lo + n].transpose(1, 2)) for h in range(kv_heads)]
+            ).float().view(kv_heads, n, width, group, steps, bs)
             s.masked_fill_(rng.blocked, -math.inf)
-            pair_max = s.amax(dim=-1)  # [n, kv_heads, M, group, T]
-            if alone:
-                torch.maximum(row_max, pair_max.amax(dim=(0, 2)).view(1, kv_heads, gt), out=row_max)
-            else:
-                pair_max = pair_max.transpose(1, 2).reshape(n * width, kv_heads, gt)
-                row_max.scatter_reduce_(0, rng.owner[:, None, None].expand_as(pair_max), pair_max, reduce="amax")
+            pair_max = s.amax(dim=-1).permute(1, 2, 0, 3, 4).reshape(n * width, kv_heads, gt)  # pair-major
+            row_max.scatter_reduce_(0, rng.owner[:, None, None].expand_as(pair_max), pair_max, reduce="amax")
             scores.append(s)
         sums = torch.zeros((rows, kv_heads, gt), device=q.device)
         out = torch.zeros((rows, kv_heads, gt, dim), device=q.device)
         for rng, s in zip(plan.ranges, scores, strict=True):
             n, width = rng.n, rng.width
-            if alone:
-                m = row_max.view(1, kv_heads, 1, group, steps, 1)
-            else:
-                m = row_max.index_select(0, rng.owner).view(n, width, kv_heads, group, steps).transpose(1, 2)[..., None]
-            e = (s - m).exp_()  # [n, kv_heads, M, group, T, bs]
-            vb = values[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)
-            o = torch.bmm(e.to(values.dtype).view(n * kv_heads, width * gt, bs), vb)
-            if alone:
-                sums += e.sum(dim=(0, 2, 5)).view(1, kv_heads, gt)
-                out += o.view(n, kv_heads, gt, dim).sum(dim=0, dtype=torch.float32)[None]
-                continue
-            pair_sum = e.sum(dim=-1).transpose(1, 2).reshape(n * width, kv_heads, gt)
+            m = row_max.index_select(0, rng.owner).view(n, width, kv_heads, group, steps).permute(2, 0, 1, 3, 4)
+            e = (s - m[..., None]).exp_()  # [kv_heads, n, M, group, T, bs]
+            pair_sum = e.sum(dim=-1).permute(1, 2, 0, 3, 4).reshape(n * width, kv_heads, gt)
             sums.index_add_(0, rng.owner, pair_sum)
-            o = o.view(n, kv_heads, width, gt, dim).transpose(1, 2).reshape(n * width, kv_heads, gt, dim)
+            weights = e.to(values.dtype).view(kv_heads, n, width * gt, bs)
+            o = torch.stack([torch.bmm(weights[h], values[h, rng.lo : rng.lo + n]) for h in range(kv_heads)])
+            o = o.view(kv_heads, n, width, gt, dim).permute(1, 2, 0, 3, 4).reshape(n * width, kv_heads, gt, dim)
             out.index_add_(0, rng.owner, o.float())
         result = (out / sums[:, :, :, None]).view(rows, kv_heads, group, steps, dim)
         return result.permute(0, 3, 1, 2, 4).reshape(rows, steps, heads * dim).to(q.dtype)
 
     def _attend_alone(self, plan: AttentionPlan, qr: Any, keys: Any, values: Any, steps: int, group: int) -> Any:
-        """One row (a prefill, a lone decode): every block is its own, so one softmax over all of them."""
+        """One row (a prefill, a lone decode): every block is its own, each run of blocks one matmul per head.
+
+        ``qr`` is [kv_heads, group * T, dim]; a run of consecutive blocks is a [kv_heads, n * bs, dim] view of the
+        pool, so a conversation whose blocks lie in one run is scored as a slot cache would score it.
+        """
         import torch
 
-        _, kv_heads, gt, dim = (int(x) for x in qr.shape)
+        kv_heads, gt, dim = (int(x) for x in qr.shape)
         bs = self.block_size
         scores = []
         for rng in plan.ranges:
-            n = rng.n
-            kb = keys[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)
-            s = torch.bmm(qr.expand(n, -1, -1, -1).reshape(n * kv_heads, gt, dim), kb.transpose(1, 2))
-            scores.append(s.float().view(n, kv_heads, group, steps, bs).masked_fill_(rng.blocked[:, :, 0], -math.inf))
-        # [kv_heads, group, T, blocks, bs]: the row's whole history on the last two dims, softmax over both.
-        joined = torch.cat(scores).permute(1, 2, 3, 0, 4)
-        shape = joined.shape
-        p = torch.softmax(joined.reshape(*shape[:3], -1), dim=-1).view(shape).to(values.dtype)
+            kb = keys[:, rng.lo : rng.lo + rng.n].view(kv_heads, rng.n * bs, dim)
+            s = torch.bmm(qr, kb.transpose(1, 2)).float().view(kv_heads, group, steps, rng.n * bs)
+            scores.append(s.masked_fill_(rng.flat, -math.inf))
+        p = torch.softmax(scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1), dim=-1).to(values.dtype)
         out = None
         at = 0
         for rng in plan.ranges:
-            n = rng.n
-            vb = values[rng.lo : rng.lo + n].view(n * kv_heads, bs, dim)
-            pb = p[:, :, :, at : at + n].permute(3, 0, 1, 2, 4).reshape(n * kv_heads, gt, bs)
-            o = torch.bmm(pb, vb).view(n, kv_heads, gt, dim).sum(dim=0, dtype=torch.float32)
+            width = rng.n * bs
+            vb = values[:, rng.lo : rng.lo + rng.n].view(kv_heads, width, dim)
+            o = torch.bmm(p[..., at : at + width].reshape(kv_heads, gt, width), vb).float()
             out = o if out is None else out + o
-            at += n
+            at += width
         assert out is not None
         return out.view(kv_heads, group, steps, dim).permute(2, 0, 1, 3).reshape(1, steps, kv_heads * group * dim)
 
