@@ -99,6 +99,10 @@ class _Range:
     owner: Any  # torch.Tensor [n * M] long, on the device
     blocked: Any  # torch.Tensor [1, n, M, 1, T, block_size] bool: True may NOT attend
     flat: Any  # a lone row's (M = 1) mask as [T, n * block_size], the layout of a run's scores; None otherwise
+    # A shared range (M > 1) is scored as one run against its readers' queries: ``readers`` [S] rows, ``run_blocked``
+    # [1, S, 1, T, n * block_size] (kv heads, readers, group, T, positions of the run). None for a private range.
+    readers: Any = None
+    run_blocked: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,11 +412,26 @@ class PagedKVCache:
                 q = query_pos[owner_t]  # [n, M, T]
                 blocked = (key_pos[:, :, None, :] > q[:, :, :, None]) | (at_t < 0)[:, :, None, None]
                 flat = blocked[:, 0].permute(1, 0, 2).reshape(steps, n * bs) if rows == 1 and width == 1 else None
+                readers = run_blocked = None
+                if width > 1:
+                    # Every reader's queries against the whole run at once (a view of the pool per head), instead
+                    # of a copy of all of them per block: what a shared prefix read by many rows wants.
+                    valid = at >= 0
+                    who = np.unique(owner[valid])
+                    index = np.searchsorted(who, owner)  # row -> its place among the readers
+                    run_pos = np.full((len(who), n, bs), -1, dtype=np.int64)
+                    block_slot = np.broadcast_to(np.arange(n)[:, None], owner.shape)
+                    run_pos[index[valid], block_slot[valid]] = at[valid][:, None] * bs + np.arange(bs)
+                    run_t = torch.as_tensor(run_pos.reshape(len(who), n * bs), device=device)
+                    readers = torch.as_tensor(who, device=device)
+                    seen_by = query_pos.index_select(0, readers)  # [S, T]
+                    run_blocked = ((run_t[:, None, :] < 0) | (run_t[:, None, :] > seen_by[:, :, None]))[None, :, None]
                 ranges.append(
                     _Range(
-                        lo=lo, n=n, width=width, owner=owner_t.reshape(-1), blocked=blocked[None, :, :, None], flat=flat
+                        lo=lo, n=n, width=width, owner=owner_t.reshape(-1), blocked=blocked[None, :, :, None],
+                        flat=flat, readers=readers, run_blocked=run_blocked,
                     )
-                )
+                )  # fmt: skip
         return AttentionPlan(
             tables=tuple(tables),
             starts=tuple(starts),
@@ -448,6 +467,16 @@ class PagedKVCache:
         row_max = torch.full((rows, kv_heads, gt), -math.inf, device=q.device)
         for rng in plan.ranges:
             n, width = rng.n, rng.width
+            if rng.readers is not None:
+                readers = int(rng.readers.shape[0])
+                qs = qr.index_select(0, rng.readers).transpose(0, 1).reshape(kv_heads, readers * gt, dim)
+                kb = keys[:, rng.lo : rng.lo + n].view(kv_heads, n * bs, dim)
+                s = torch.bmm(qs, kb.transpose(1, 2)).float().view(kv_heads, readers, group, steps, n * bs)
+                s.masked_fill_(rng.run_blocked, -math.inf)
+                run_max = s.amax(dim=-1).transpose(0, 1).reshape(readers, kv_heads, gt)
+                row_max.scatter_reduce_(0, rng.readers[:, None, None].expand_as(run_max), run_max, reduce="amax")
+                scores.append(s)
+                continue
             # Queries laid out per block, per head: [kv_heads, n, M * group * T, dim]
             qb = qr.index_select(0, rng.owner).view(n, width, kv_heads, gt, dim).permute(2, 0, 1, 3, 4)
             qb = qb.reshape(kv_heads, n, width * gt, dim)
@@ -463,6 +492,15 @@ class PagedKVCache:
         out = torch.zeros((rows, kv_heads, gt, dim), device=q.device)
         for rng, s in zip(plan.ranges, scores, strict=True):
             n, width = rng.n, rng.width
+            if rng.readers is not None:
+                readers = int(rng.readers.shape[0])
+                m = row_max.index_select(0, rng.readers).transpose(0, 1).view(kv_heads, readers, group, steps, 1)
+                e = (s - m).exp_()  # [kv_heads, S, group, T, n * bs]
+                sums.index_add_(0, rng.readers, e.sum(dim=-1).transpose(0, 1).reshape(readers, kv_heads, gt))
+                vb = values[:, rng.lo : rng.lo + n].view(kv_heads, n * bs, dim)
+                o = torch.bmm(e.to(values.dtype).view(kv_heads, readers * gt, n * bs), vb)
+                out.index_add_(0, rng.readers, o.view(kv_heads, readers, gt, dim).transpose(0, 1).float())
+                continue
             m = row_max.index_select(0, rng.owner).view(n, width, kv_heads, group, steps).permute(2, 0, 1, 3, 4)
             e = (s - m[..., None]).exp_()  # [kv_heads, n, M, group, T, bs]
             pair_sum = e.sum(dim=-1).permute(1, 2, 0, 3, 4).reshape(n * width, kv_heads, gt)
