@@ -285,5 +285,6 @@ def _dtype(name: str, checkpoint: Path, device: Any) -> Any:
         raise ValueError(f"parameter dtype must be auto, {', '.join(choices)}; got {name!r}")
     if torch.device(device).type == "cpu":
         return torch.float32
-    saved = read_json_config(checkpoint).get("torch_dtype")
+    raw = read_json_config(checkpoint)
+    saved = raw.get("torch_dtype", raw.get("dtype"))  # transformers 5 writes "dtype"
     return choices.get(str(saved), torch.float32)
