@@ -50,6 +50,7 @@ def make_loop(model: Model) -> StepLoop[Job]:
         final_flag=FINAL,
         error_response=lambda message: ("error", message),
         cancel_check_every=2,
+        background_checks=True,  # off by default (see StepLoop): these fake senders outlive their FINAL safely
         name=NAME,
     )
 

@@ -116,7 +116,11 @@ class StepLoop(Generic[J]):
     is the error text a retired stream gets. With the thread running, ``background_sends`` sends responses
     from a thread of their own and ``background_checks`` asks running streams' cancellation from another
     (each a round trip to Triton's process that the decode thread would otherwise wait out); a new stream
-    is always asked on the loop's thread before it is admitted.
+    is always asked on the loop's thread before it is admitted. ``background_checks`` is off by default and
+    must stay off with Triton's senders: the watcher may ask a stream whose FINAL response the send thread has
+    just sent, and Triton 2.51 then reads the freed response factory (``TRITONBACKEND_ResponseFactoryIsCancelled``)
+    and the whole server dies of a segmentation fault (seen under load in the suite). Asked on the loop's
+    thread, a stream is asked only while it runs, before its FINAL is queued.
 
     Every callback runs on the loop's thread, one at a time: model state they share needs no lock.
     ``start=False`` runs no thread: the caller drives :meth:`run_pass` (tests, with an injected clock).
@@ -133,7 +137,7 @@ class StepLoop(Generic[J]):
         cancel_poll_s: float = DEFAULT_CANCEL_POLL_S,
         cancel_check_every: int = DEFAULT_CANCEL_CHECK_EVERY,
         background_sends: bool = True,
-        background_checks: bool = True,
+        background_checks: bool = False,
         busy_grace_s: float = DEFAULT_BUSY_GRACE_S,
         overlap: Overlap = "refuse",
         superseded_message: Callable[[CorrelationId], str] | None = None,
