@@ -221,11 +221,11 @@ def teacher_forced_logits(
         prompt = tokenizer.render(list(zip(roles, texts, strict=True)), add_generation_prompt=True)
         held = min(cache.adopt_prefix(table, prompt), len(prompt) - 1)
         todo = torch.tensor([prompt[held:]], dtype=torch.long)
-        first.append(model.forward(cache, [table], todo, [held])[0])
+        first.append(tk.forward_tables(model, cache, [table], todo, [held])[0])
     steps = [torch.stack(first)]
     for t in range(len(replies[0]) - 1):
         fed = torch.tensor([[reply[t]] for reply in replies], dtype=torch.long)
-        steps.append(model.forward(cache, tables, fed))
+        steps.append(tk.forward_tables(model, cache, tables, fed))
     return torch.stack(steps, dim=1).to("cpu")
 
 

@@ -1,7 +1,7 @@
 """The committed demo chat checkpoint: the contract's files, config and tokenizer, and a model that learned.
 
 No server: the checkpoint is loaded the way the chat server model loads it (``load_gpt2``) and run
-through the server's decoder (``gpt2_forward``). The thresholds compare the model with chance and
+through the server's decoder (``forward_tables``). The thresholds compare the model with chance and
 with the corpus; no generated text is written down here.
 """
 
@@ -26,7 +26,7 @@ from tools.train_chat_model import (
     held_out_sequences,
     reply_loss,
 )
-from triton_npu_client.server import GPT2, PagedKVCache, gpt2_forward, load_gpt2
+from triton_npu_client.server import GPT2, PagedKVCache, forward_tables, load_gpt2
 
 CHECKPOINT = DEFAULT_OUT
 FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -143,7 +143,7 @@ def test_held_out_loss_is_far_below_chance_and_below_token_frequencies(model: GP
     for ids, start in held_out_sequences(tokenizer, held, per_book=10):
         cache = PagedKVCache.for_model(model, num_blocks=-(-len(ids) // 16))
         with torch.no_grad():
-            logits = gpt2_forward(model, cache, [cache.new_table()], torch.tensor([ids]), all_logits=True)[0]
+            logits = forward_tables(model, cache, [cache.new_table()], torch.tensor([ids]), all_logits=True)[0]
         summed, n = reply_loss(logits, ids, start)
         total, count = total + summed, count + n
         reply_tokens += ids[start:]

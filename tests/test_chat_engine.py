@@ -30,6 +30,7 @@ from triton_npu_client.server import (
     load_decoder,
 )
 from triton_npu_client.server.chat._chat import _find_stop, _held_back
+from triton_npu_client.server.chat._sampling import SamplingFlags, sample
 
 DEMO = Path(__file__).resolve().parents[1] / "server_models" / "chat" / "demo_gpt2"
 
@@ -378,11 +379,27 @@ def test_min_tokens_keeps_a_reply_from_ending_early(checkpoint: Path) -> None:
     logits[:, end] = 10.0
     logits[:, user] = 9.0
     logits[:, 42] = 1.0
-    early = engine.parse(start=True, end=False, roles=["user"], texts=["a"], max_tokens=8, min_tokens=3)
-    due = engine.parse(start=True, end=False, roles=["user"], texts=["a"], max_tokens=8, min_tokens=3)
-    early.reply_ids = [5, 6]
-    due.reply_ids = [5, 6, 7]
-    assert engine._sample(logits, [early, due]) == [42, end]
+    runner = engine.runner
+    # Two rows: one with 2 tokens sampled of its 3 (below MIN_TOKENS), one with 3 (free to end); greedy and sampled.
+    for flags, temperature in [(SamplingFlags(min_tokens=True), 0.0), (SamplingFlags(True, True, True), 0.7)]:
+        chosen = sample(
+            logits,
+            temperature=torch.full((2,), temperature),
+            top_k=torch.tensor([0, 0]),
+            top_p=torch.tensor([1.0, 0.5]),
+            seeds=torch.tensor([1, 2]),
+            positions=torch.tensor([10, 11]),
+            below_min=torch.tensor([2, 3]) < 3,
+            stop_ids=runner.stop_ids,
+            flags=flags,
+        )
+        assert chosen.tolist()[0] not in engine.tokenizer.stop_ids
+        assert chosen.tolist()[1] == end or temperature > 0
+    assert sample(logits, temperature=torch.zeros(2), top_k=torch.zeros(2, dtype=torch.long),
+                  top_p=torch.ones(2), seeds=torch.zeros(2, dtype=torch.long),
+                  positions=torch.zeros(2, dtype=torch.long),
+                  below_min=torch.tensor([True, False]), stop_ids=runner.stop_ids,
+                  flags=SamplingFlags(min_tokens=True)).tolist() == [42, end]
     assert logits[0, end] == 10.0  # the caller's logits are left alone
 
 
@@ -602,10 +619,10 @@ def test_a_tiny_temperature_is_greedy_and_fails_nobody(checkpoint: Path) -> None
 
 @pytest.mark.parametrize("where", ["sample", "decode"])
 def test_a_turn_that_makes_the_step_raise_fails_alone_and_the_others_stay_exact(checkpoint: Path, where: str) -> None:
-    """An injected culprit: its logits NaN (sampling raises), or the forward raising whenever its slot is in it.
+    """An injected culprit: its decode row's temperature NaN (sampling fails), or the decode raising whenever it runs.
 
-    The others sample with seeds: the retry after the raise restores their generators and replies, so each gets
-    exactly its solo reply.
+    The others sample with seeds: their draws depend on seed and position alone, and the retry after the raise puts
+    their replies back, so each gets exactly its solo reply.
     """
     options: dict[str, Any] = {"max_tokens": 16, "temperature": 1.0, "seed": 11}
     want = solo_replies(checkpoint, **options)
@@ -616,8 +633,9 @@ def test_a_turn_that_makes_the_step_raise_fails_alone_and_the_others_stay_exact(
     rig.loop.run_pass()
     turn = rig.turns[1]
     if where == "sample":
-        assert turn.logits is not None
-        turn.logits = torch.full_like(turn.logits, float("nan"))
+        assert turn.next_token is not None
+        # A fault on the device: the culprit's decode row samples at a temperature that is not a number.
+        rig.engine.runner.temperature[turn.slot] = float("nan")
     else:
         decode = rig.engine._decode
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from triton_npu_client.server import GPT2, GPT2Config, PagedKVCache, gpt2_forward, load_gpt2
+from triton_npu_client.server import GPT2, GPT2Config, PagedKVCache, forward_tables, load_gpt2
 
 TOL = 1e-4
 VOCAB = 97
@@ -73,11 +73,11 @@ def decode_alone(model: GPT2, ids: list[int], steps: int) -> tuple[list[int], li
     """Prefill ``ids`` in a fresh cache, then ``steps`` greedy steps: (new tokens, each step's logits)."""
     cache = new_cache(model)
     table = cache.new_table()
-    logits = gpt2_forward(model, cache, [table], torch.tensor([ids]))[0]
+    logits = forward_tables(model, cache, [table], torch.tensor([ids]))[0]
     tokens, seen = [], [logits]
     for _ in range(steps):
         tokens.append(int(logits.argmax()))
-        logits = gpt2_forward(model, cache, [table], torch.tensor([[tokens[-1]]]))[0]
+        logits = forward_tables(model, cache, [table], torch.tensor([[tokens[-1]]]))[0]
         seen.append(logits)
     return tokens, seen
 
@@ -104,7 +104,7 @@ def test_full_sequence_logits_match_transformers(
     ids = prompt(1, 17)
     cache = new_cache(model)
     table = cache.new_table()
-    ours = gpt2_forward(model, cache, [table], torch.tensor([ids]), all_logits=True)[0]
+    ours = forward_tables(model, cache, [table], torch.tensor([ids]), all_logits=True)[0]
     assert ours.shape == (17, VOCAB)
     assert (ours - hf_logits(reference, ids)).abs().max().item() < TOL
     assert table.length == 17
@@ -140,14 +140,14 @@ def test_prefill_then_greedy_decode_matches_transformers_and_keeps_the_cache_in_
     shapes = [t.shape for t in (*cache.keys, *cache.values)]
 
     ours_seq, ref_seq = list(ids), list(ids)
-    logits = gpt2_forward(model, cache, [table], torch.tensor([ids]))[0]
+    logits = forward_tables(model, cache, [table], torch.tensor([ids]))[0]
     for _ in range(12):
         ref = hf_logits(reference, ref_seq)[-1]
         assert (logits - ref).abs().max().item() < TOL
         ours_seq.append(int(logits.argmax()))
         ref_seq.append(int(ref.argmax()))
         assert ours_seq == ref_seq
-        logits = gpt2_forward(model, cache, [table], torch.tensor([[ours_seq[-1]]]))[0]
+        logits = forward_tables(model, cache, [table], torch.tensor([[ours_seq[-1]]]))[0]
     assert table.length == len(ours_seq)
     assert [t.data_ptr() for t in (*cache.keys, *cache.values)] == pointers
     assert [t.shape for t in (*cache.keys, *cache.values)] == shapes
@@ -170,7 +170,7 @@ def test_batched_decode_equals_each_conversation_decoded_alone(model: GPT2, layo
     for i, (table, ids) in enumerate(zip(tables, prompts, strict=True)):
         if layout == "apart":
             cache.reserve(holders[i], 0, 4 * 12)
-        firsts.append(gpt2_forward(model, cache, [table], torch.tensor([ids]))[0])
+        firsts.append(forward_tables(model, cache, [table], torch.tensor([ids]))[0])
     last = torch.stack(firsts)
     batched_tokens: list[list[int]] = [[] for _ in prompts]
     batched_logits = [last]
@@ -178,7 +178,7 @@ def test_batched_decode_equals_each_conversation_decoded_alone(model: GPT2, layo
         chosen = last.argmax(dim=-1)
         for row, token in enumerate(chosen.tolist()):
             batched_tokens[row].append(token)
-        last = gpt2_forward(model, cache, tables, chosen[:, None])
+        last = forward_tables(model, cache, tables, chosen[:, None])
         batched_logits.append(last)
     assert [t.length for t in tables] == [len(p) + steps for p in prompts]
     if layout == "interleaved":
@@ -201,8 +201,8 @@ def test_a_reused_block_does_not_show_its_previous_owner(
     """
     cache = new_cache(model, blocks=15)  # exactly what the two take: the next one must reuse the first's blocks
     first, other = cache.new_table(), cache.new_table()
-    gpt2_forward(model, cache, [first], torch.tensor([prompt(20, 30)]))
-    gpt2_forward(model, cache, [other], torch.tensor([prompt(21, 25)]))
+    forward_tables(model, cache, [first], torch.tensor([prompt(20, 30)]))
+    forward_tables(model, cache, [other], torch.tensor([prompt(21, 25)]))
     old_blocks = set(first.blocks)
     cache.release(first)
     assert first.length == 0
@@ -210,14 +210,14 @@ def test_a_reused_block_does_not_show_its_previous_owner(
 
     ids = prompt(22, 6)
     again = cache.new_table()
-    logits = gpt2_forward(model, cache, [again], torch.tensor([ids]))[0]
+    logits = forward_tables(model, cache, [again], torch.tensor([ids]))[0]
     assert set(again.blocks) <= old_blocks
     seq = list(ids)
-    other_logits = gpt2_forward(model, cache, [other], torch.tensor([[5]]))[0]
+    other_logits = forward_tables(model, cache, [other], torch.tensor([[5]]))[0]
     for _ in range(5):
         assert (logits - hf_logits(reference, seq)[-1]).abs().max().item() < TOL
         seq.append(int(logits.argmax()))
-        both = gpt2_forward(model, cache, [again, other], torch.tensor([[seq[-1]], [int(other_logits.argmax())]]))
+        both = forward_tables(model, cache, [again, other], torch.tensor([[seq[-1]], [int(other_logits.argmax())]]))
         logits, other_logits = both[0], both[1]
     assert again.length == len(seq)
 
@@ -227,17 +227,17 @@ def test_rewind_and_bad_steps(reference: tuple[transformers.GPT2LMHeadModel, Pat
     cache = new_cache(model)
     table, empty = cache.new_table(), cache.new_table()
     ids = prompt(30, 10)
-    gpt2_forward(model, cache, [table], torch.tensor([ids]))
-    logits = gpt2_forward(model, cache, [table], torch.tensor([[7, 8]]), positions=[4])[0]
+    forward_tables(model, cache, [table], torch.tensor([ids]))
+    logits = forward_tables(model, cache, [table], torch.tensor([[7, 8]]), positions=[4])[0]
     assert table.length == 6
     assert table.ids == [*ids[:4], 7, 8]
     assert (logits - hf_logits(reference, [*ids[:4], 7, 8])[-1]).abs().max().item() < TOL
     with pytest.raises(ValueError, match="twice"):
-        gpt2_forward(model, cache, [table, table], torch.tensor([[1], [2]]))
+        forward_tables(model, cache, [table, table], torch.tensor([[1], [2]]))
     with pytest.raises(ValueError, match="length"):
-        gpt2_forward(model, cache, [empty], torch.tensor([[1]]), positions=[1])
-    with pytest.raises(ValueError, match="n_positions"):
-        gpt2_forward(model, cache, [table], torch.tensor([list(range(60))]))
+        forward_tables(model, cache, [empty], torch.tensor([[1]]), positions=[1])
+    with pytest.raises(ValueError, match="max_positions"):
+        forward_tables(model, cache, [table], torch.tensor([list(range(60))]))
     assert (table.length, empty.length) == (6, 0)
 
 
@@ -254,7 +254,7 @@ def test_blocks_are_taken_in_runs_and_a_table_grows_in_place(model: GPT2) -> Non
     cache.reserve(big, 0, 4 * 5)
     assert big.blocks == list(range(30, 35))  # the first run of 5, not the five lowest free blocks
     small = cache.new_table()
-    gpt2_forward(model, cache, [small], torch.tensor([prompt(40, 4)]))
+    forward_tables(model, cache, [small], torch.tensor([prompt(40, 4)]))
     assert small.blocks == [0]
-    gpt2_forward(model, cache, [small], torch.tensor([[5]]))
+    forward_tables(model, cache, [small], torch.tensor([[5]]))
     assert small.blocks == [0, 1]  # grown in place

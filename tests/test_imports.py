@@ -69,10 +69,10 @@ def test_model_py_imports_still_work() -> None:
     """What the server_models' model.py files import resolves, in a fresh interpreter, to the toolkit's objects."""
     code = (
         "from triton_npu_client.server import ChatModel, EncoderModel, RunningStatsModel, TokenizerModel\n"
-        "from triton_npu_client.server import SEQUENCE_BUSY, SequenceBatching, StepLoop, gpt2_forward\n"
+        "from triton_npu_client.server import SEQUENCE_BUSY, SequenceBatching, StepLoop, forward_tables\n"
         "from triton_npu_client.server.chat._chat_model import ChatModel as C\n"
-        "from triton_npu_client.server.chat._gpt2 import forward\n"
-        "assert ChatModel is C and gpt2_forward is forward and SEQUENCE_BUSY.startswith('[triton-npu:')\n"
+        "from triton_npu_client.server.chat._runner import forward_tables as forward\n"
+        "assert ChatModel is C and forward_tables is forward and SEQUENCE_BUSY.startswith('[triton-npu:')\n"
     )
     assert _fresh(code)["toolkit"]  # it ran, and loaded what it used
 

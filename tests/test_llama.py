@@ -21,8 +21,9 @@ from _checkpoints import write_tiny_llama
 from safetensors.torch import load_file, save_file
 
 from triton_npu_client.server import GPT2, Llama, LlamaConfig, RopeScaling, load_decoder, load_llama
+from triton_npu_client.server.chat._blocks import BlockTable, PagedKVCache
 from triton_npu_client.server.chat._llama import RotaryTable, rope_frequencies
-from triton_npu_client.server.chat._paged import BlockTable, PagedKVCache
+from triton_npu_client.server.chat._runner import forward_tables
 
 TOL = 1e-4
 LLAMA3 = {
@@ -91,12 +92,12 @@ def prompt(seed: int, length: int, vocab: int) -> list[int]:
 def uncached(model: Llama, ids: list[int]) -> torch.Tensor:
     """Our logits [vocab] for the last of ``ids``, run as one whole sequence in a fresh table."""
     cache = cache_for(model)
-    return model.forward(cache, [cache.new_table()], torch.tensor([ids]))[0]
+    return forward_tables(model, cache, [cache.new_table()], torch.tensor([ids]))[0]
 
 
 def step(model: Llama, cache: PagedKVCache, tables: list[BlockTable], rows: list[list[int]],
          positions: list[int] | None = None) -> torch.Tensor:
-    return model.forward(cache, tables, torch.tensor(rows), positions)
+    return forward_tables(model, cache, tables, torch.tensor(rows), positions)
 
 
 def test_config_and_properties(references: dict[str, Reference]) -> None:
@@ -126,7 +127,7 @@ def test_whole_prompt_logits_match_transformers(ref: Reference) -> None:
     ids = prompt(1, 150, model.vocab_size)
     cache = cache_for(model)
     table = cache.new_table()
-    ours = model.forward(cache, [table], torch.tensor([ids]), all_logits=True)[0]
+    ours = forward_tables(model, cache, [table], torch.tensor([ids]), all_logits=True)[0]
     theirs = ref.hf_logits(ids)
     assert ours.shape == theirs.shape == (150, model.vocab_size)
     assert ours.dtype == torch.float32
@@ -138,7 +139,7 @@ def test_whole_prompt_logits_match_transformers(ref: Reference) -> None:
         inv_freq, _ = rope_frequencies(unscaled)
         plain = dataclasses.replace(model, rotary=RotaryTable(inv_freq, 1.0, model.dtype, model.max_positions))
         cache = cache_for(plain)
-        wrong = plain.forward(cache, [cache.new_table()], torch.tensor([ids]), all_logits=True)[0]
+        wrong = forward_tables(plain, cache, [cache.new_table()], torch.tensor([ids]), all_logits=True)[0]
         assert float((wrong - theirs).abs().max()) > 100 * TOL
 
 
@@ -148,12 +149,12 @@ def test_cached_greedy_decode_equals_uncached(ref: Reference) -> None:
     ids = prompt(2, 21, model.vocab_size)
     cache = cache_for(model)
     table = cache.new_table()
-    logits = model.forward(cache, [table], torch.tensor([ids]))[0]
+    logits = forward_tables(model, cache, [table], torch.tensor([ids]))[0]
     generated: list[int] = []
     for _ in range(12):
         assert torch.allclose(logits, uncached(model, ids + generated), atol=TOL, rtol=0)
         generated.append(int(logits.argmax()))
-        logits = model.forward(cache, [table], torch.tensor([[generated[-1]]]))[0]
+        logits = forward_tables(model, cache, [table], torch.tensor([[generated[-1]]]))[0]
     assert table.length == len(ids) + len(generated)
     assert len(set(generated)) > 2, generated  # greedy decoding of these weights is not one token repeated
     # And transformers' greedy choice at every step is the same token.
@@ -168,13 +169,13 @@ def test_decode_across_the_rotary_table_growth(references: dict[str, Reference])
     ids = prompt(3, 250, model.vocab_size)
     cache = cache_for(model)
     table = cache.new_table()
-    model.forward(cache, [table], torch.tensor([ids[:10]]))
+    forward_tables(model, cache, [table], torch.tensor([ids[:10]]))
     assert model.rotary.length == 256
-    model.forward(cache, [table], torch.tensor([ids[10:]]))
+    forward_tables(model, cache, [table], torch.tensor([ids[10:]]))
     tokens = list(ids)
     for token in prompt(4, 12, model.vocab_size):
         tokens.append(token)
-        logits = model.forward(cache, [table], torch.tensor([[token]]))[0]
+        logits = forward_tables(model, cache, [table], torch.tensor([[token]]))[0]
     assert model.rotary.length > 256
     assert torch.allclose(logits, ref.hf_logits(tokens)[-1], atol=TOL, rtol=0)
 
@@ -187,19 +188,19 @@ def test_batched_rows_equal_each_alone(ref: Reference) -> None:
     cache = cache_for(model)
     tables = [cache.new_table() for _ in prompts]
     for table, ids in zip(tables, prompts, strict=True):
-        model.forward(cache, [table], torch.tensor([ids]))
+        forward_tables(model, cache, [table], torch.tensor([ids]))
     histories = [list(ids) for ids in prompts]
     # Three decode steps of one token per row, then one step of three tokens per row.
     for round_ in range(4):
         width = 3 if round_ == 3 else 1
         new = [prompt(20 + 7 * round_ + row, width, vocab) for row in range(len(prompts))]
-        batched = model.forward(cache, tables, torch.tensor(new), all_logits=True)
+        batched = forward_tables(model, cache, tables, torch.tensor(new), all_logits=True)
         assert batched.shape == (3, width, vocab)
         for row, tokens in enumerate(new):
             histories[row] += tokens
             alone = cache_for(model)
             alone_table = alone.new_table()
-            expected = model.forward(alone, [alone_table], torch.tensor([histories[row]]), all_logits=True)[0]
+            expected = forward_tables(model, alone, [alone_table], torch.tensor([histories[row]]), all_logits=True)[0]
             assert torch.allclose(batched[row], expected[-width:], atol=TOL, rtol=0)
     assert [t.length for t in tables] == [len(h) for h in histories]
 
@@ -211,10 +212,10 @@ def test_explicit_positions_rewind_a_row(references: dict[str, Reference]) -> No
     ids, other = prompt(30, 20, vocab), prompt(31, 9, vocab)
     cache = cache_for(model)
     table, neighbour = cache.new_table(), cache.new_table()
-    model.forward(cache, [table], torch.tensor([ids]))
-    model.forward(cache, [neighbour], torch.tensor([other]))
+    forward_tables(model, cache, [table], torch.tensor([ids]))
+    forward_tables(model, cache, [neighbour], torch.tensor([other]))
     replacement = prompt(32, 2, vocab)
-    out = model.forward(cache, [table, neighbour], torch.tensor([replacement, [5, 6]]), [12, 9])
+    out = forward_tables(model, cache, [table, neighbour], torch.tensor([replacement, [5, 6]]), [12, 9])
     assert table.length == 14
     assert neighbour.length == 11
     assert torch.allclose(out[0], uncached(model, ids[:12] + replacement), atol=TOL, rtol=0)
@@ -228,13 +229,13 @@ def test_shared_prefix_blocks_give_the_logits_of_a_whole_prefill(references: dic
     system = prompt(40, 40, vocab)
     cache = cache_for(model)
     first = cache.new_table()
-    model.forward(cache, [first], torch.tensor([system + prompt(41, 5, vocab)]))
+    forward_tables(model, cache, [first], torch.tensor([system + prompt(41, 5, vocab)]))
     second = cache.new_table()
     ids = system + prompt(42, 7, vocab)
     held = cache.adopt_prefix(second, ids)
     assert held == 32
     assert cache.shared_hits == 2
-    out = model.forward(cache, [second], torch.tensor([ids[held:]]))
+    out = forward_tables(model, cache, [second], torch.tensor([ids[held:]]))
     assert torch.allclose(out[0], uncached(model, ids), atol=TOL, rtol=0)
     assert second.length == len(ids)
 
@@ -250,8 +251,8 @@ def test_sharded_checkpoint_equals_unsharded(tmp_path: Path) -> None:
     for model in (a, b):
         assert isinstance(model, Llama)
     cache_a, cache_b = cache_for(a), cache_for(b)
-    logits_a = a.forward(cache_a, [cache_a.new_table()], ids, all_logits=True)
-    logits_b = b.forward(cache_b, [cache_b.new_table()], ids, all_logits=True)
+    logits_a = forward_tables(a, cache_a, [cache_a.new_table()], ids, all_logits=True)
+    logits_b = forward_tables(b, cache_b, [cache_b.new_table()], ids, all_logits=True)
     assert torch.equal(logits_a, logits_b)
     # transformers reads the same shards to the same model.
     hf: Any = transformers.Qwen2ForCausalLM.from_pretrained(two, dtype=torch.float32)
@@ -288,7 +289,7 @@ def test_dtype_casts_on_load(tmp_path: Path) -> None:
     assert half.dtype == torch.bfloat16
     cache = cache_for(half)
     ids = prompt(9, 12, half.vocab_size)
-    logits = half.forward(cache, [cache.new_table()], torch.tensor([ids]))
+    logits = forward_tables(half, cache, [cache.new_table()], torch.tensor([ids]))
     assert logits.dtype == torch.float32
     hf: Any = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     hf.eval()
@@ -365,13 +366,13 @@ def test_bad_steps_are_refused_before_anything_is_written(references: dict[str, 
     model = references["mistral"].model
     cache = cache_for(model)
     table = cache.new_table()
-    model.forward(cache, [table], torch.tensor([[1, 2, 3]]))
+    forward_tables(model, cache, [table], torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match=r"tokens must be \[len\(tables\)=1, T>=1\], not \[2, 1\]"):
-        model.forward(cache, [table], torch.tensor([[1], [2]]))
+        forward_tables(model, cache, [table], torch.tensor([[1], [2]]))
     with pytest.raises(ValueError, match=r"token ids must be in 0\.\.\d+, got 5\.\.100000"):
-        model.forward(cache, [table], torch.tensor([[5, 100_000]]))
+        forward_tables(model, cache, [table], torch.tensor([[5, 100_000]]))
     with pytest.raises(ValueError, match=r"positions 510\.\.512 are not in 0\.\.511"):
-        model.forward(cache, [table], torch.tensor([[1, 2, 3]]), [510])
+        forward_tables(model, cache, [table], torch.tensor([[1, 2, 3]]), [510])
     assert table.length == 3
 
 

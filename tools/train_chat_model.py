@@ -469,7 +469,7 @@ def greedy_reply(model: object, tokenizer: Tokenizer, messages: Sequence[Message
 
     ``model`` is a :class:`triton_npu_client.server.GPT2` from ``load_gpt2``.
     """
-    from triton_npu_client.server import GPT2, PagedKVCache, gpt2_forward
+    from triton_npu_client.server import GPT2, PagedKVCache, forward_tables
 
     assert isinstance(model, GPT2)
     prompt = encode_messages(tokenizer, messages, prompt=True)
@@ -478,7 +478,7 @@ def greedy_reply(model: object, tokenizer: Tokenizer, messages: Sequence[Message
     cache = PagedKVCache.for_model(model, num_blocks=-(-positions // 16))
     table = cache.new_table()
     with torch.no_grad():
-        logits = gpt2_forward(model, cache, [table], torch.tensor([prompt]))
+        logits = forward_tables(model, cache, [table], torch.tensor([prompt]))
         reply: list[int] = []
         for _ in range(max_tokens):
             token = int(logits[0].argmax())
@@ -487,7 +487,7 @@ def greedy_reply(model: object, tokenizer: Tokenizer, messages: Sequence[Message
             reply.append(token)
             if len(reply) == max_tokens:
                 break
-            logits = gpt2_forward(model, cache, [table], torch.tensor([[token]]))
+            logits = forward_tables(model, cache, [table], torch.tensor([[token]]))
     return tokenizer.decode(reply), False
 
 
@@ -504,7 +504,7 @@ def check_saved(out: Path, module: TinyGPT2, tokenizer: Tokenizer, sample: Seque
 
     Returns the largest absolute difference; raises ``AssertionError`` past 1e-3.
     """
-    from triton_npu_client.server import PagedKVCache, gpt2_forward, load_gpt2
+    from triton_npu_client.server import PagedKVCache, forward_tables, load_gpt2
 
     rounded = copy.deepcopy(module).eval()
     with torch.no_grad():
@@ -513,7 +513,7 @@ def check_saved(out: Path, module: TinyGPT2, tokenizer: Tokenizer, sample: Seque
         expected = rounded(torch.tensor([list(sample)]))[0]
         served = load_gpt2(out)
         cache = PagedKVCache.for_model(served, num_blocks=4)
-        got = gpt2_forward(served, cache, [cache.new_table()], torch.tensor([list(sample)]), all_logits=True)[0]
+        got = forward_tables(served, cache, [cache.new_table()], torch.tensor([list(sample)]), all_logits=True)[0]
     diff = float((got - expected).abs().max())
     assert diff < 1e-3, f"saved model's logits differ from the training module's by {diff}"
     return diff

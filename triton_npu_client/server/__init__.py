@@ -35,14 +35,13 @@ if _typing.TYPE_CHECKING:
     from ._markers import SEQUENCE_BUSY
     from ._model import RunningStatsModel
     from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
+    from .chat._blocks import BlockManager, BlockTable, CacheFull, PagedKVCache
     from .chat._chat import ChatEngine, ChatMessage, ChatResponse, ChatTurn, TurnOptions
     from .chat._chat_model import ChatModel
-    from .chat._decoders import load_decoder
+    from .chat._decoders import Decoder, load_decoder
     from .chat._gpt2 import GPT2, GPT2Config, GPT2Layer, load_gpt2
-    from .chat._gpt2 import forward as gpt2_forward
     from .chat._llama import Llama, LlamaConfig, LlamaLayer, RopeScaling, load_llama
-    from .chat._llama import forward as llama_forward
-    from .chat._paged import BlockTable, CacheFull, PagedKVCache
+    from .chat._runner import DecodeBatch, ModelRunner, PrefillRow, RowSampling, forward_tables
     from .chat._template import ChatTemplateError, CheckpointTokenizer
     from .encoder._bert import BERT, BertConfig, load_bert, sentence_embeddings
     from .encoder._encoder import (
@@ -99,17 +98,22 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "GPT2": "chat._gpt2",
     "GPT2Config": "chat._gpt2",
     "GPT2Layer": "chat._gpt2",
-    "PagedKVCache": "chat._paged",
-    "BlockTable": "chat._paged",
-    "CacheFull": "chat._paged",
-    "gpt2_forward": ("chat._gpt2", "forward"),
+    "BlockManager": "chat._blocks",
+    "PagedKVCache": "chat._blocks",
+    "BlockTable": "chat._blocks",
+    "CacheFull": "chat._blocks",
+    "Decoder": "chat._decoders",
+    "DecodeBatch": "chat._runner",
+    "ModelRunner": "chat._runner",
+    "PrefillRow": "chat._runner",
+    "RowSampling": "chat._runner",
+    "forward_tables": "chat._runner",
     "load_gpt2": "chat._gpt2",
     "load_decoder": "chat._decoders",
     "Llama": "chat._llama",
     "LlamaConfig": "chat._llama",
     "LlamaLayer": "chat._llama",
     "RopeScaling": "chat._llama",
-    "llama_forward": ("chat._llama", "forward"),
     "load_llama": "chat._llama",
     "SEQUENCE_BUSY": "_markers",
     "RunningStatsModel": "_model",
@@ -144,6 +148,7 @@ __all__ = [
     "Accelerators",
     "BERT",
     "BatchPlan",
+    "BlockManager",
     "BlockTable",
     "BertConfig",
     "CacheFull",
@@ -154,6 +159,8 @@ __all__ = [
     "ChatTemplateError",
     "CheckpointTokenizer",
     "ChatTurn",
+    "DecodeBatch",
+    "Decoder",
     "DeviceChoice",
     "EncoderModel",
     "ExitReason",
@@ -163,10 +170,13 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "LlamaLayer",
+    "ModelRunner",
     "NumpyMoments",
     "PagedKVCache",
+    "PrefillRow",
     "Refusal",
     "RopeScaling",
+    "RowSampling",
     "RunningMoments",
     "RunningStatsModel",
     "SentenceEncoder",
@@ -183,9 +193,8 @@ __all__ = [
     "accelerator_possible",
     "activate",
     "choose_device",
-    "gpt2_forward",
+    "forward_tables",
     "instance_index",
-    "llama_forward",
     "load_bert",
     "load_decoder",
     "load_gpt2",

@@ -60,43 +60,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from .._controls import CorrelationId, SequenceControls
 from .._digest import EMPTY, history_digest
 from .._generate import ExitReason, StepOutput, Stream
 from .._markers import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 from .._state import SequenceSlots
-from ._paged import BlockTable, CacheFull, PagedKVCache
+from ._blocks import BlockManager, BlockTable, CacheFull
+from ._runner import Compile, DecodeBatch, ModelRunner, PrefillRow, RowSampling
+from ._sampling import GREEDY_BELOW, SamplingFlags
 
 if TYPE_CHECKING:
-    import torch
-
+    from ._decoders import Decoder
     from ._template import CheckpointTokenizer
 
-
-class Decoder(Protocol):
-    """What the engine needs of a decoder (``_gpt2.GPT2``, ``_llama.Llama``)."""
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def max_positions(self) -> int: ...
-
-    def forward(
-        self,
-        cache: PagedKVCache,
-        tables: Sequence[BlockTable],
-        tokens: torch.Tensor,
-        positions: Sequence[int] | None = None,
-        *,
-        all_logits: bool = False,
-        last: Sequence[int] | None = None,
-    ) -> torch.Tensor: ...
 
 __all__ = [
     "ChatEngine",
@@ -115,9 +93,6 @@ ROLES: Final = ("system", "user", "assistant")
 Finish = Literal["", "stop", "stop_string", "length", "context", "closed"]
 RefusalKind = Literal["invalid", "capacity", "unknown"]
 
-#: A ``TEMPERATURE`` below this is greedy (vLLM's epsilon): dividing logits by a smaller one overflows them
-#: to inf and sampling fails, while the distribution is already argmax to float precision.
-GREEDY_BELOW: Final = 1e-5
 #: The longest stream interval a turn may ask for (STREAM_INTERVAL_MS): past a minute a "stream" is one response.
 STREAM_INTERVAL_MAX_MS: Final = 60000
 
@@ -243,6 +218,7 @@ class Conversation:
     # sequence must not match a prompt rendered against the conversation it replaced).
     version: int = 0
     undo: _Committed | None = None  # the history before the last committed turn; None once used or when none
+    device_blocks: int = 0  # how many of the table's blocks the runner's decode row holds
 
     def roll_back(self, version: int) -> None:
         """Undo the last committed turn (the cache is rewound lazily, at the next prefill)."""
@@ -268,8 +244,10 @@ class ChatTurn:
     slot: int = -1
     prompt: _Rendered | None = None  # the prompt this turn runs with
     prompt_tokens: int = 0
-    logits: torch.Tensor | None = None  # of the last position: what the next token is sampled from
-    generator: torch.Generator | None = None
+    sampling: RowSampling | None = None
+    # The token sampled last (by the prefill, then by each decode pass), not yet part of the reply: the next step
+    # takes it. None: not prefilled yet.
+    next_token: int | None = None
     # Set by step.
     reply_ids: list[int] = field(default_factory=list)
     reply: bytearray = field(default_factory=bytearray)
@@ -292,7 +270,7 @@ class ChatEngine:
         self,
         model: Decoder,
         tokenizer: CheckpointTokenizer,
-        cache: PagedKVCache,
+        cache: BlockManager,
         slots: SequenceSlots,
         *,
         respond: Callable[[ChatResponse], Any],
@@ -303,6 +281,7 @@ class ChatEngine:
         limits: InputLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_thread: Callable[[], None] | None = None,
+        compile: Compile = "off",
     ) -> None:
         if slots.on_release is not None:
             raise ValueError("slots already has an on_release hook: one SequenceSlots serves one engine")
@@ -334,8 +313,11 @@ class ChatEngine:
         # eviction, a restart by START) comes through here, and the conversation and its blocks go.
         slots.on_release = self._on_release
         self._per_position = cache.block_bytes // cache.block_size
-        # Stop ids as a device tensor, for MIN_TOKENS masking without a host copy per pass.
-        self._stop_list = sorted(tokenizer.stop_ids)
+        # The one owner of device work: prefill and decode passes, on the decode rows of every slot.
+        self.runner = ModelRunner(
+            model, cache, slots=slots.capacity, max_ctx=max_ctx, vocab=tokenizer.vocab_size,
+            stop_ids=tokenizer.stop_ids, compile=compile,
+        )  # fmt: skip
         # Counters, for tests and logs.
         self.prefilled_tokens = 0
         self.prefill_forwards = 0
@@ -536,42 +518,37 @@ class ChatEngine:
         return verdicts
 
     def step(self, due: Sequence[Stream[ChatTurn]]) -> list[StepOutput]:
-        """One token for every due turn, then one batched forward for the turns that go on.
+        """Each due turn takes its sampled token, then one decode pass samples the next for the turns that go on.
 
-        Safe to call again on any part of ``due`` after it raised: the generators sampling advanced and the
-        replies are put back as they were, and nothing else changes before the forward's last write (blocks
-        a turn reserved to grow stay reserved, and reserving them again takes nothing).
+        Safe to call again on any part of ``due`` after it raised: the replies and sampled tokens are put back as
+        they were, the runner advances its rows only after a pass went through, and nothing else changes before
+        the pass (blocks a turn reserved to grow stay reserved, and reserving them again takes nothing).
         """
-        import torch
-
         self._enter_thread()
         turns = [s.job for s in due]
-        logits = torch.stack([t.logits for t in turns if t.logits is not None])
-        if len(logits) != len(turns):
-            raise RuntimeError("a turn in the step has no logits: it was never prefilled")
-        # What the turns had before this step, put back if it raises: the generators sampling advances, the replies.
-        generators = [(t.generator, t.generator.get_state()) for t in turns if t.generator is not None]
-        before = [(len(t.reply_ids), bytes(t.reply[t.sent :])) for t in turns]
+        if any(t.next_token is None for t in turns):
+            raise RuntimeError("a turn in the step has no sampled token: it was never prefilled")
+        before = [(len(t.reply_ids), bytes(t.reply[t.sent :]), t.next_token) for t in turns]
         try:
-            self._advance(logits, turns, protected={s.key for s in due})
+            self._advance(turns, protected={s.key for s in due})
         except BaseException:
-            for generator, state in generators:
-                generator.set_state(state)
-            for turn, (n_ids, tail) in zip(turns, before, strict=True):
+            for turn, (n_ids, tail, token) in zip(turns, before, strict=True):
                 del turn.reply_ids[n_ids:]
                 turn.reply[turn.sent :] = tail
+                turn.next_token = token
                 turn.finish = ""
             raise
         # Nothing below raises: the step is decided.
         return self._emit(turns)
 
-    def _advance(self, logits: torch.Tensor, turns: list[ChatTurn], protected: set[CorrelationId]) -> None:
-        """Sample a token for each turn, extend its reply, then decode the turns that go on."""
-        tokens = self._sample(logits, turns)
+    def _advance(self, turns: list[ChatTurn], protected: set[CorrelationId]) -> None:
+        """Extend each turn's reply with its sampled token, then decode the turns that go on."""
         going: list[ChatTurn] = []
-        for turn, token in zip(turns, tokens, strict=True):
+        for turn in turns:
             options = turn.options
             assert options is not None
+            token = turn.next_token
+            assert token is not None
             table = self._table(turn)
             if token in self.tokenizer.stop_ids:
                 turn.finish = "stop"
@@ -643,8 +620,7 @@ class ChatEngine:
         Its conversation's idle time counts from here, so an eviction never takes one that just answered.
         """
         turn = stream.job
-        turn.logits = None
-        turn.generator = None
+        turn.next_token = None
         if turn.end:
             self._release(stream.key)
         else:
@@ -735,8 +711,6 @@ class ChatEngine:
         A long prefill runs here and now, so that its full blocks are registered before the next turn of the same
         admission looks for a shared prefix; a short one is returned, to run with the others (``_prefill_together``).
         """
-        import torch
-
         options = turn.options
         assert options is not None
         rendered = turn.rendered
@@ -751,17 +725,18 @@ class ChatEngine:
         start = min(self.cache.adopt_prefix(table, ids), len(ids) - 1)
         self._reserve(table, start, len(ids), protected, new=True)
         todo = ids[start:]
-        if not options.greedy:
-            generator = torch.Generator(device=self.model.device)
-            generator.manual_seed(options.seed if options.seed is not None else int.from_bytes(os.urandom(8), "little"))
-            turn.generator = generator
+        if turn.sampling is None:
+            # An unseeded turn draws its seed once: a retried admission or pass samples the same tokens.
+            seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            turn.sampling = RowSampling(
+                temperature=0.0 if options.greedy else options.temperature, top_k=options.top_k,
+                top_p=options.top_p, seed=seed, min_tokens=options.min_tokens,
+            )  # fmt: skip
         turn.prompt_tokens = len(todo)
+        pending = _Prefill(turn=turn, table=table, start=start, todo=todo)
         if len(todo) <= _SHORT_PREFILL:
-            return _Prefill(turn=turn, table=table, start=start, todo=todo)
-        logits = self.model.forward(self.cache, [table], torch.tensor([todo], dtype=torch.long), [start])
-        self.prefilled_tokens += len(todo)
-        self.prefill_forwards += 1
-        turn.logits = logits[0]
+            return pending
+        self._run_prefill([pending], steps=len(todo))
         return None
 
     def _prefill_together(self, pending: list[_Prefill]) -> None:
@@ -771,8 +746,6 @@ class ChatEngine:
         prompt's positions; its logits are taken at its own last token, and its table is cut back to its prompt
         after the forward. A row whose padding finds no free block runs alone, unpadded.
         """
-        import torch
-
         pending = sorted(pending, key=lambda p: len(p.todo))
         while pending:
             group = [pending.pop(0)]
@@ -789,22 +762,31 @@ class ChatEngine:
                     self.cache.reserve(p.table, p.start, p.start + steps)
                     rows.append(p)
                 except CacheFull:
-                    logits = self.model.forward(self.cache, [p.table], torch.tensor([p.todo]), [p.start])
-                    p.turn.logits = logits[0]
-                    self.prefilled_tokens += len(p.todo)
-                    self.prefill_forwards += 1
-            if not rows:
-                continue
-            tokens = torch.tensor([p.todo + [p.todo[-1]] * (steps - len(p.todo)) for p in rows], dtype=torch.long)
-            logits = self.model.forward(
-                self.cache, [p.table for p in rows], tokens, [p.start for p in rows],
-                last=[len(p.todo) - 1 for p in rows],
+                    self._run_prefill([p], steps=len(p.todo))
+            if rows:
+                self._run_prefill(rows, steps=steps)
+
+    def _run_prefill(self, rows: list[_Prefill], *, steps: int) -> None:
+        """One forward for ``rows`` (positions reserved up to ``start + steps``), then commit and join each row."""
+        values = [
+            PrefillRow(
+                slot=p.turn.slot, blocks=tuple(p.table.blocks), start=p.start, ids=tuple(p.todo),
+                sampling=p.turn.sampling or RowSampling(),
             )
-            self.prefill_forwards += 1
-            for row, p in enumerate(rows):
-                self.cache.reserve(p.table, p.start + len(p.todo), p.start + len(p.todo))  # the padding goes
-                p.turn.logits = logits[row]
-                self.prefilled_tokens += len(p.todo)
+            for p in rows
+        ]  # fmt: skip
+        tokens = self.runner.prefill(values)
+        self.prefill_forwards += 1
+        for p, value, token in zip(rows, values, tokens, strict=True):
+            end = p.start + len(p.todo)
+            self.cache.commit(p.table, p.start, p.todo)
+            if steps > len(p.todo):
+                self.cache.reserve(p.table, end, end)  # the padding goes
+            self.runner.join(value, token, p.table.blocks)
+            conv = self._conversations[p.turn.slot]
+            conv.device_blocks = len(p.table.blocks)
+            p.turn.next_token = token
+            self.prefilled_tokens += len(p.todo)
 
     def _reserve(self, table: BlockTable, start: int, end: int, protected: set[CorrelationId], *, new: bool) -> None:
         """Reserve positions, making idle conversations give way when the pool is out of blocks."""
@@ -835,71 +817,34 @@ class ChatEngine:
             return False
         return True
 
-    def _sample(self, logits: torch.Tensor, turns: Sequence[ChatTurn]) -> list[int]:
-        """One token per row, on the device: argmax for greedy turns, else temperature / top-k / top-p.
-
-        Sampling is an exponential race: with ``E_i`` drawn from Exp(1) by the turn's seeded generator, ``argmax
-        p_i / E_i`` is a draw from ``p``. It is the same job as ``torch.multinomial`` without its device-to-host
-        sync (on Ascend it forces one), batched over the rows. The chosen ids are the one copy to the host.
-        """
-        import torch
-
-        # A model's vocabulary may be padded past the tokenizer's (Qwen2's is): those ids are no tokens at all.
-        logits = logits[:, : self.tokenizer.vocab_size]
-        early = [row for row, t in enumerate(turns) if t.options and len(t.reply_ids) < t.options.min_tokens]
-        if early:
-            # Below MIN_TOKENS a reply may not end: the tokens that would end it are never chosen.
-            rows = torch.tensor(early, device=logits.device)
-            stops = torch.tensor(self._stop_list, device=logits.device)
-            logits = logits.clone()
-            logits[rows[:, None], stops[None, :]] = float("-inf")
-        chosen = logits.argmax(dim=-1)
-        sampled = [row for row, t in enumerate(turns) if t.options is not None and not t.options.greedy]
-        if sampled:
-            options = [turns[row].options for row in sampled]
-            index = torch.tensor(sampled, device=logits.device)
-            temps = torch.tensor([o.temperature for o in options if o], device=logits.device)
-            scores = logits.index_select(0, index) / temps[:, None]
-            ks = [o.top_k if o else 0 for o in options]
-            if any(ks):
-                width = min(max(ks), scores.shape[-1])
-                top = torch.topk(scores, width, dim=-1).values
-                at = torch.tensor([min(k, width) - 1 if k else 0 for k in ks], device=logits.device)
-                kth = top.gather(1, at[:, None])
-                off = torch.tensor([k == 0 for k in ks], device=logits.device)[:, None]
-                scores = scores.masked_fill((scores < kth) & ~off, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            ps = [o.top_p if o else 1.0 for o in options]
-            if any(p < 1.0 for p in ps):
-                ordered, order = torch.sort(probs, descending=True, dim=-1)
-                top_p = torch.tensor(ps, device=logits.device, dtype=probs.dtype)[:, None]
-                # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-                outside = (ordered.cumsum(-1) - ordered) >= top_p
-                probs = torch.zeros_like(probs).scatter(1, order, ordered.masked_fill(outside, 0.0))
-            race = torch.empty_like(probs)
-            for j, row in enumerate(sampled):
-                race[j].exponential_(generator=turns[row].generator)
-            # A draw of exactly 0 would divide by zero: the smallest positive float keeps the race finite.
-            picks = (probs / race.clamp_min_(torch.finfo(race.dtype).tiny)).argmax(dim=-1)
-            # A row whose probabilities are not a distribution (NaN or inf logits) gets -1, found below in the same
-            # copy to the host: multinomial would raise; the race would pick an arbitrary token.
-            valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
-            chosen = chosen.index_copy(0, index, torch.where(valid, picks, -1))
-        # The one device-to-host copy per pass: the host needs the ids to stream text and check stops.
-        tokens = [int(t) for t in chosen.tolist()]
-        if min(tokens) < 0:
-            bad = [row for row, t in enumerate(tokens) if t < 0]
-            raise ValueError(f"sampling rows {bad} failed: their logits are not finite")
-        return tokens
-
     def _decode(self, turns: list[ChatTurn]) -> None:
-        import torch
-
-        tables = [self._table(t) for t in turns]  # before the forward: a missing one changes nothing
-        tokens = torch.tensor([[t.reply_ids[-1]] for t in turns], dtype=torch.long)
-        logits = self.model.forward(self.cache, tables, tokens)
-        for row, turn in enumerate(turns):
-            turn.logits = logits[row]
+        """One decode pass for ``turns`` (each reserved its next position): the runner samples their next tokens."""
+        appended: list[tuple[int, int, int]] = []
+        width = 1
+        sampled = filtered = min_tokens = False
+        convs = [self._conversations[t.slot] for t in turns]  # before the pass: a missing one changes nothing
+        for turn, conv in zip(turns, convs, strict=True):
+            table = conv.table
+            for index in range(conv.device_blocks, len(table.blocks)):
+                appended.append((turn.slot, index, table.blocks[index]))
+            width = max(width, self.cache.blocks_for(table.length + 1))
+            s = turn.sampling
+            if s is not None:
+                sampled |= not s.greedy
+                filtered |= not s.greedy and s.filtered
+                min_tokens |= len(turn.reply_ids) < s.min_tokens
+        batch = DecodeBatch(
+            slots=tuple(t.slot for t in turns),
+            width=width,
+            flags=SamplingFlags(sampled=sampled, filtered=filtered, min_tokens=min_tokens),
+            appended=tuple(appended),
+        )
+        tokens = self.runner.decode(batch)
+        # The pass went through: each table holds its input token, and the rows know their blocks.
+        for turn, conv, token in zip(turns, convs, tokens, strict=True):
+            self.cache.commit(conv.table, conv.table.length, [turn.reply_ids[-1]])
+            conv.device_blocks = len(conv.table.blocks)
+            turn.next_token = token
         self.decode_passes += 1
         self.rows_decoded += len(turns)
 
@@ -917,7 +862,7 @@ class ChatEngine:
         conv.version = next(self._versions)
         if turn.key is not None:
             self._histories[turn.key] = (conv.version, conv.messages, conv.pinned)
-        turn.logits = None
+        turn.next_token = None
 
     def _turn_response(self, turn: ChatTurn, piece: bytes) -> Any:
         conv = self._conversations.get(turn.slot)

@@ -50,9 +50,9 @@ from .._device import (
 from .._generate import StepLoop
 from .._markers import INVALID_INPUT
 from .._state import SequenceSlots
+from ._blocks import PagedKVCache
 from ._chat import ChatEngine, ChatResponse, InputLimits, RefusalKind
 from ._decoders import load_decoder
-from ._paged import PagedKVCache
 from ._template import CheckpointTokenizer
 
 __all__ = ["ChatModel"]

@@ -8,16 +8,15 @@ torch_npu, ``cuda:0``, ``cpu``) the same way.
 torch is imported inside the functions, never at module level, so that ``import
 triton_npu_client.server`` stays torch-free for CPU instances that keep their state in numpy.
 
-Serving shape: a :class:`~._paged.PagedKVCache` holds every conversation's blocks, one
-:class:`~._paged.BlockTable` each. One :func:`forward` call runs one step for several conversations at
-once (one row each): either a prompt prefill (many tokens) or a decode step (one token per row), each
-row starting at its own position.
+Serving shape: the family's three steps (``embed``, ``layer``, ``logits``) run on the shared forward scaffold of
+``_decoders``, over the paged KV cache of ``_blocks``: one forward runs one step for several conversations at once
+(one row each), a prompt prefill (many tokens) or a decode step (one token per row).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,9 +26,9 @@ from .._files import read_json_config
 if TYPE_CHECKING:
     import torch
 
-    from ._paged import BlockTable, PagedKVCache
+    from ._decoders import AttendFn
 
-__all__ = ["GPT2", "GPT2Config", "GPT2Layer", "forward", "load_gpt2"]
+__all__ = ["GPT2", "GPT2Config", "GPT2Layer", "load_gpt2"]
 
 # Hugging Face names for the tanh approximation of GELU that GPT-2 was trained with, and the exact one.
 _TANH_GELU = frozenset({"gelu_new", "gelu_pytorch_tanh"})
@@ -137,17 +136,37 @@ class GPT2:
     def max_positions(self) -> int:
         return self.config.n_positions
 
-    def forward(
-        self,
-        cache: PagedKVCache,
-        tables: Sequence[BlockTable],
-        tokens: torch.Tensor,
-        positions: Sequence[int] | None = None,
-        *,
-        all_logits: bool = False,
-        last: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        return forward(self, cache, tables, tokens, positions, all_logits=all_logits, last=last)
+    def prepare(self, positions: int) -> None:
+        """Learned position embeddings end at ``n_positions``: there is nothing to grow."""
+        if positions > self.config.n_positions:
+            raise ValueError(f"positions up to {positions} exceed n_positions {self.config.n_positions}")
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.wte[tokens] + self.wpe[positions], None
+
+    def layer(self, index: int, x: torch.Tensor, context: Any, attention: AttendFn) -> torch.Tensor:
+        import torch
+        import torch.nn.functional as F
+
+        config = self.config
+        layer = self.layers[index]
+        rows, steps, width = x.shape
+        heads, head_dim = config.n_head, config.head_dim
+        h = F.layer_norm(x, (width,), layer.ln_1_weight, layer.ln_1_bias, config.layer_norm_epsilon)
+        qkv = torch.addmm(layer.attn_bias, h.reshape(-1, width), layer.attn_weight)
+        q, k, v = qkv.view(rows, steps, 3, heads, head_dim).unbind(2)  # each [rows, T, heads, dim]
+        attended = attention(q, k, v, 1.0 / math.sqrt(head_dim)).reshape(-1, width)
+        x = x + torch.addmm(layer.attn_proj_bias, attended, layer.attn_proj_weight).view(rows, steps, -1)
+        h = F.layer_norm(x, (width,), layer.ln_2_weight, layer.ln_2_bias, config.layer_norm_epsilon)
+        inner = _gelu(torch.addmm(layer.fc_bias, h.reshape(-1, width), layer.fc_weight), config.activation_function)
+        return x + torch.addmm(layer.mlp_proj_bias, inner, layer.mlp_proj_weight).view(rows, steps, -1)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        config = self.config
+        x = F.layer_norm(x, (config.n_embd,), self.ln_f_weight, self.ln_f_bias, config.layer_norm_epsilon)
+        return (x @ self.wte.T).float()
 
 
 # Our field name -> the Hugging Face key suffix under ``h.<i>.``.
@@ -208,72 +227,3 @@ def _gelu(x: torch.Tensor, activation: str) -> torch.Tensor:
     import torch.nn.functional as F
 
     return F.gelu(x, approximate="tanh" if activation in _TANH_GELU else "none")
-
-
-def forward(
-    model: GPT2,
-    cache: PagedKVCache,
-    tables: Sequence[BlockTable],
-    tokens: torch.Tensor,
-    positions: Sequence[int] | None = None,
-    *,
-    all_logits: bool = False,
-    last: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Run one step: append ``tokens`` [rows, T] to the conversations ``tables`` (one per row).
-
-    Prefill is one row with the whole prompt (T = prompt length); a decode step is many rows with
-    T = 1. Row ``b`` is written at positions ``positions[b]`` .. ``positions[b] + T - 1`` of
-    ``tables[b]`` and attends to everything the table holds before them plus itself. ``positions``
-    defaults to each table's length (append); a smaller position rewinds the table, dropping what
-    followed. Afterwards ``tables[b].length == positions[b] + T``.
-
-    Returns float logits [rows, vocab] for each row's last token (``last[b]``: row ``b``'s own last
-    position, for rows padded to one T), or [rows, T, vocab] with ``all_logits``. Raises ``ValueError``
-    for a repeated table, mismatched shapes or positions past a table's length or the model's positions,
-    :class:`~._paged.CacheFull` when the pool lacks blocks.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    config = model.config
-    if tokens.dim() != 2 or tokens.shape[0] != len(tables) or tokens.shape[1] == 0:
-        raise ValueError(f"tokens must be [len(tables)={len(tables)}, T>=1], not {list(tokens.shape)}")
-    rows, steps = int(tokens.shape[0]), int(tokens.shape[1])
-    starts = [t.length for t in tables] if positions is None else [int(p) for p in positions]
-    if len(starts) != rows:
-        raise ValueError(f"{len(starts)} positions for {rows} rows")
-    for start in starts:
-        # Learned position embeddings end at n_positions: there is no position past it.
-        if start + steps > config.n_positions:
-            raise ValueError(f"positions up to {start + steps} exceed n_positions {config.n_positions}")
-    # Planned from the host tokens (their ids are kept for prefix sharing, with no device-to-host copy).
-    plan = cache.plan(tables, starts, tokens.cpu() if tokens.device.type != "cpu" else tokens)
-
-    device = model.device
-    tokens = tokens.to(device=device, dtype=torch.long)
-    pos = torch.tensor(starts, device=device, dtype=torch.long)[:, None] + torch.arange(steps, device=device)
-    heads, head_dim = config.n_head, config.head_dim
-    scale = 1.0 / math.sqrt(head_dim)
-    x = model.wte[tokens] + model.wpe[pos]  # [rows, T, n_embd]
-    for index, layer in enumerate(model.layers):
-        h = F.layer_norm(x, (config.n_embd,), layer.ln_1_weight, layer.ln_1_bias, config.layer_norm_epsilon)
-        qkv = torch.addmm(layer.attn_bias, h.reshape(-1, config.n_embd), layer.attn_weight)
-        q, k, v = qkv.view(rows, steps, 3, heads, head_dim).unbind(2)  # each [rows, T, heads, dim]
-        attended = cache.attend(index, plan, q, k, v, scale).reshape(-1, config.n_embd)
-        x = x + torch.addmm(layer.attn_proj_bias, attended, layer.attn_proj_weight).view(rows, steps, -1)
-        h = F.layer_norm(x, (config.n_embd,), layer.ln_2_weight, layer.ln_2_bias, config.layer_norm_epsilon)
-        inner = torch.addmm(layer.fc_bias, h.reshape(-1, config.n_embd), layer.fc_weight)
-        inner = _gelu(inner, config.activation_function)
-        x = x + torch.addmm(layer.mlp_proj_bias, inner, layer.mlp_proj_weight).view(rows, steps, -1)
-
-    cache.commit(plan)
-    # The vocabulary projection is the largest matmul of a decode step; a step that only samples the
-    # next token projects the last position alone.
-    if last is not None:
-        # Rows of different lengths padded to one T (a batched prefill): each row's own last token.
-        x = x[torch.arange(rows, device=x.device), torch.tensor(list(last), device=x.device)]
-    elif not all_logits:
-        x = x[:, -1]
-    x = F.layer_norm(x, (config.n_embd,), model.ln_f_weight, model.ln_f_bias, config.layer_norm_epsilon)
-    return (x @ model.wte.T).float()

@@ -35,7 +35,7 @@ from .._files import read_json_config
 if TYPE_CHECKING:
     import torch
 
-    from ._paged import BlockTable, PagedKVCache
+    from ._decoders import AttendFn
 
 __all__ = [
     "LLAMA_FAMILY",
@@ -45,7 +45,6 @@ __all__ = [
     "LlamaLayer",
     "RopeScaling",
     "RotaryTable",
-    "forward",
     "load_llama",
     "rope_frequencies",
 ]
@@ -372,10 +371,13 @@ class RotaryTable:
         self._cos = (emb.cos() * self.scaling).to(self.dtype)
         self._sin = (emb.sin() * self.scaling).to(self.dtype)
 
-    def lookup(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [*positions.shape, head_dim] for ``positions``, all below ``end`` (<= ``limit``)."""
-        if end > self.length:
-            self._grow(end)
+    def reserve(self, needed: int) -> None:
+        """Hold at least ``needed`` positions (<= ``limit``): called on the host before a forward reads them."""
+        if needed > self.length:
+            self._grow(needed)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [*positions.shape, head_dim] for ``positions``, all below the reserved length."""
         assert self._cos is not None
         assert self._sin is not None
         return self._cos[positions], self._sin[positions]
@@ -434,18 +436,41 @@ class Llama:
         config = self.config
         return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
 
-    def forward(
-        self,
-        cache: PagedKVCache,
-        tables: Sequence[BlockTable],
-        tokens: torch.Tensor,
-        positions: Sequence[int] | None = None,
-        *,
-        all_logits: bool = False,
-        last: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """See the module-level :func:`forward`."""
-        return forward(self, cache, tables, tokens, positions, all_logits=all_logits, last=last)
+    def prepare(self, positions: int) -> None:
+        """Grow the rotary table to ``positions`` entries (refusing past :attr:`max_positions`)."""
+        if positions > self.max_positions:
+            raise ValueError(f"positions up to {positions} exceed the model's max_positions {self.max_positions}")
+        self.rotary.reserve(positions)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        cos, sin = self.rotary.lookup(positions)
+        # [rows, T, 1 (broadcast over heads), head_dim]
+        return self.embed_tokens[tokens], (cos[:, :, None], sin[:, :, None])
+
+    def layer(self, index: int, x: torch.Tensor, context: Any, attention: AttendFn) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        config = self.config
+        layer = self.layers[index]
+        cos, sin = context
+        rows, steps = x.shape[0], x.shape[1]
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        eps = config.rms_norm_eps
+        h = _rms_norm(x, layer.input_norm, eps)
+        qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+        q = _rotate(qkv[..., :q_size].view(rows, steps, heads, head_dim), cos, sin)
+        k = _rotate(qkv[..., q_size : q_size + kv_size].view(rows, steps, kv_heads, head_dim), cos, sin)
+        v = qkv[..., q_size + kv_size :].view(rows, steps, kv_heads, head_dim)
+        x = x + F.linear(attention(q, k, v, head_dim**-0.5), layer.o_weight, layer.o_bias)
+        h = _rms_norm(x, layer.post_norm, eps)
+        gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        return F.linear(_rms_norm(x, self.norm_weight, self.config.rms_norm_eps), self.lm_head).float()
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -573,84 +598,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def forward(
-    model: Llama,
-    cache: PagedKVCache,
-    tables: Sequence[BlockTable],
-    tokens: torch.Tensor,
-    positions: Sequence[int] | None = None,
-    *,
-    all_logits: bool = False,
-    last: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Run one step: append ``tokens`` [rows, T] to the conversations of ``tables`` (one table per row).
-
-    Prefill is one row with the whole prompt; a decode step is many rows with T = 1. Row ``b`` is written
-    at positions ``positions[b]`` .. ``positions[b] + T - 1`` of ``tables[b]`` and attends to everything the
-    table holds before them plus itself. ``positions`` defaults to each table's length (append); a smaller
-    position rewinds (the cache's plan decides what a rewind may do). Afterwards each table's length is
-    ``positions[b] + T``.
-
-    Returns float logits [rows, vocab] for each row's last token (``last[b]``: row ``b``'s own last position, for
-    rows padded to one T), or [rows, T, vocab] with ``all_logits``.
-    Raises ``ValueError`` for mismatched shapes, token ids outside the vocabulary or positions past
-    :attr:`Llama.max_positions`, and whatever the cache's ``plan`` raises (``ValueError``, ``CacheFull``)
-    before anything is written.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    config = model.config
-    rows = len(tables)
-    if tokens.dim() != 2 or tokens.shape[0] != rows or tokens.shape[1] == 0:
-        raise ValueError(f"tokens must be [len(tables)={rows}, T>=1], not {list(tokens.shape)}")
-    steps = int(tokens.shape[1])
-    starts = [table.length for table in tables] if positions is None else [int(p) for p in positions]
-    if len(starts) != rows:
-        raise ValueError(f"{len(starts)} positions for {rows} rows")
-    end = max(starts) + steps
-    if min(starts) < 0 or end > model.max_positions:
-        raise ValueError(
-            f"positions {min(starts)}..{end - 1} are not in 0..{model.max_positions - 1} (the model's max_positions)"
-        )
-    # The plan keeps the ids for prefix sharing, from a host copy (none is made when they are there already). The
-    # range is checked on that copy: on an accelerator an out-of-range id would be an asynchronous device assert.
-    host = tokens if tokens.device.type == "cpu" else tokens.cpu()
-    low, high = int(host.min()), int(host.max())
-    if low < 0 or high >= model.vocab_size:
-        raise ValueError(f"token ids must be in 0..{model.vocab_size - 1}, got {low}..{high}")
-    plan = cache.plan(tables, starts, host)
-
-    device = model.device
-    tokens = tokens.to(device=device, dtype=torch.long)
-    pos = torch.tensor(starts, device=device, dtype=torch.long)[:, None] + torch.arange(steps, device=device)
-    cos, sin = model.rotary.lookup(pos, end)
-    cos, sin = cos[:, :, None], sin[:, :, None]  # [rows, T, 1 (broadcast over heads), head_dim]
-
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    scale = head_dim**-0.5
-    eps = config.rms_norm_eps
-    x = model.embed_tokens[tokens]  # [rows, T, hidden]
-    for index, layer in enumerate(model.layers):
-        h = _rms_norm(x, layer.input_norm, eps)
-        qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
-        q = _rotate(qkv[..., :q_size].view(rows, steps, heads, head_dim), cos, sin)
-        k = _rotate(qkv[..., q_size : q_size + kv_size].view(rows, steps, kv_heads, head_dim), cos, sin)
-        v = qkv[..., q_size + kv_size :].view(rows, steps, kv_heads, head_dim)
-        attended = cache.attend(index, plan, q, k, v, scale)  # [rows, T, heads * head_dim]
-        x = x + F.linear(attended, layer.o_weight, layer.o_bias)
-        h = _rms_norm(x, layer.post_norm, eps)
-        gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
-    cache.commit(plan)
-    # The vocabulary projection is the largest matmul of a decode step; a step that only samples the
-    # next token projects the last position alone.
-    if last is not None:
-        # Rows of different lengths padded to one T (a batched prefill): each row's own last token.
-        x = x[torch.arange(rows, device=x.device), torch.tensor(list(last), device=x.device)]
-    elif not all_logits:
-        x = x[:, -1]
-    return F.linear(_rms_norm(x, model.norm_weight, eps), model.lm_head).float()

@@ -1,0 +1,382 @@
+"""The model runner: turns a batch value into sampled token ids on the device, and decides nothing.
+
+The scheduler (``_chat``) owns conversations and turns, the block manager (``_blocks``) owns blocks; the runner
+reads the values they hand it (:class:`PrefillRow`, :class:`DecodeBatch`) and returns one token id per row. It
+never reserves a block, ends a turn or reads a conversation (``tests/test_layers.py`` keeps it from importing them).
+
+**Device-resident decode state.** Every conversation slot (the scheduler's ``SequenceSlots`` index) has a row of
+device tensors: the token to feed next, its position, the block table (padded with the null block), the sampling
+parameters and how many tokens the turn has sampled. A turn writes its row once, when its prefill ends
+(:meth:`ModelRunner.join`); a decode pass then only names the slots that run (``DecodeBatch.slots``) and the blocks
+they grew into, and after the pass the runner advances the rows in place. One host copy per pass: the sampled ids.
+
+**Fixed shapes.** A decode pass pads its rows to a bucket (1, 2, 4, 8, 16, 32, 64, ... rows; padding rows read and
+write only the null block) and reads ``width`` blocks per row, so its sequence of device operations depends on the
+bucket alone: :meth:`ModelRunner.decode_pass` is what ``torch.compile(fullgraph=True)`` compiles on a CPU (one graph
+per bucket, the width symbolic) and what CUDA graphs capture (width fixed at the context's blocks). See docs/chat.md.
+
+torch is imported inside the functions, never at module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from ._attention import Attention, write_index
+from ._decoders import Decoder, forward
+from ._sampling import SamplingFlags, sample
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._blocks import BlockManager, BlockTable
+
+__all__ = ["BUCKETS", "Compile", "DecodeBatch", "ModelRunner", "PrefillRow", "RowSampling", "bucket", "forward_tables"]
+
+#: Batch sizes a decode pass is padded to (then multiples of the largest).
+BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64)
+Compile = Literal["off", "cpu", "cuda-graphs"]
+
+
+def bucket(rows: int) -> int:
+    """The padded batch size of a decode pass of ``rows`` rows."""
+    for size in BUCKETS:
+        if rows <= size:
+            return size
+    top = BUCKETS[-1]
+    return -(-rows // top) * top
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """How one turn samples (already checked by the scheduler: finite, in range)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    min_tokens: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        from ._sampling import GREEDY_BELOW
+
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRow:
+    """Prefill ``ids`` at positions ``start ..`` of a table whose blocks are ``blocks`` (reserved already)."""
+
+    slot: int
+    blocks: tuple[int, ...]
+    start: int
+    ids: tuple[int, ...]
+    sampling: RowSampling
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """One decode pass: the slots that run (their rows joined before), the blocks to read, what sampling needs.
+
+    ``appended``: (slot, index, block) for each block a row grew into since its row was written.
+    """
+
+    slots: tuple[int, ...]
+    width: int
+    flags: SamplingFlags
+    appended: tuple[tuple[int, int, int], ...] = ()
+
+
+class ModelRunner:
+    """One decoder, its block pools and the device-resident decode rows of ``slots`` conversations.
+
+    ``vocab`` is how many leading ids may be sampled (a model's vocabulary may be padded past its tokenizer's, as
+    Qwen2's is); ``stop_ids`` are masked below a turn's MIN_TOKENS. ``compile``: "off" (eager), "cpu"
+    (``torch.compile`` of the decode pass, one graph per bucket) or "cuda-graphs" (``torch.compile`` with
+    ``mode="reduce-overhead"``: the bucket's pass captured once and replayed).
+    """
+
+    def __init__(
+        self,
+        model: Decoder,
+        blocks: BlockManager,
+        *,
+        slots: int,
+        max_ctx: int,
+        vocab: int,
+        stop_ids: Iterable[int] = (),
+        compile: Compile = "off",
+    ) -> None:
+        import torch
+
+        if compile not in ("off", "cpu", "cuda-graphs"):
+            raise ValueError(f"compile must be off, cpu or cuda-graphs, got {compile!r}")
+        self.model = model
+        self.blocks = blocks
+        self.max_ctx = max_ctx
+        self.vocab = vocab
+        self.compile: Compile = compile
+        self.max_blocks = blocks.blocks_for(max_ctx)
+        model.prepare(max_ctx)
+        device = model.device
+        self.device = device
+        self.dummy = slots  # the padding rows' slot: position 0, every block the null block
+        rows = slots + 1
+
+        def zeros(*shape: int, dtype: Any = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.tokens = zeros(rows)
+        self.positions = zeros(rows)
+        self.tables = torch.full((rows, self.max_blocks), blocks.null_block, dtype=torch.long, device=device)
+        self.temperature = zeros(rows, dtype=torch.float32)
+        self.top_k = zeros(rows)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.seeds = zeros(rows)
+        self.min_tokens = zeros(rows)
+        self.sampled = zeros(rows)
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        self._key_positions = torch.arange(self.max_blocks * blocks.block_size, device=device)
+        self._rows_cache: tuple[tuple[int, ...], int, torch.Tensor] | None = None
+        self._compiled: dict[tuple[int, SamplingFlags], Any] = {}
+        # Counters, for tests and logs.
+        self.prefill_forwards = 0
+        self.decode_passes = 0
+
+    # -- prefill --------------------------------------------------------------------------------------------
+
+    def prefill(self, rows: Sequence[PrefillRow]) -> list[int]:
+        """One forward for ``rows`` (padded to their longest, each row's logits at its own last token); a sampled
+        id per row. Raises ``ValueError`` naming the rows whose logits are not finite."""
+        import torch
+
+        device = self.device
+        steps = max(len(r.ids) for r in rows)
+        bs = self.blocks.block_size
+        width = max(self.blocks.blocks_for(r.start + steps) for r in rows)
+        null = self.blocks.null_block
+        tables = torch.tensor(
+            [list(r.blocks[:width]) + [null] * (width - len(r.blocks[:width])) for r in rows], device=device
+        )
+        tokens = torch.tensor([list(r.ids) + [r.ids[-1]] * (steps - len(r.ids)) for r in rows], device=device)
+        positions = torch.tensor([r.start for r in rows], device=device)[:, None] + torch.arange(steps, device=device)
+        _, kv_heads, _ = self.model.cache_shape
+        meta = Attention(
+            write=write_index(tables, positions, kv_heads=kv_heads, pool_blocks=null + 1, block_size=bs),
+            tables=tables,
+            positions=positions,
+            key_positions=self._key_positions[: width * bs],
+        )
+        last = torch.tensor([len(r.ids) - 1 for r in rows], device=device)
+        logits = forward(self.model, self.blocks.keys, self.blocks.values, tokens, meta, last=last)
+        self.prefill_forwards += 1
+        samplings = [r.sampling for r in rows]
+        flags = SamplingFlags(
+            sampled=any(not s.greedy for s in samplings),
+            filtered=any(not s.greedy and s.filtered for s in samplings),
+            min_tokens=any(s.min_tokens > 0 for s in samplings),
+        )
+        ids = sample(
+            logits[:, : self.vocab],
+            temperature=torch.tensor([s.temperature for s in samplings], device=device),
+            top_k=torch.tensor([s.top_k for s in samplings], device=device),
+            top_p=torch.tensor([s.top_p for s in samplings], device=device),
+            seeds=torch.tensor([s.seed for s in samplings], device=device),
+            positions=torch.tensor([r.start + len(r.ids) for r in rows], device=device),
+            below_min=torch.tensor([s.min_tokens > 0 for s in samplings], device=device),
+            stop_ids=self.stop_ids,
+            flags=flags,
+        )
+        return _checked(ids.tolist())
+
+    def join(self, row: PrefillRow, token: int, blocks: Sequence[int]) -> None:
+        """Write slot ``row.slot``'s decode row: ``token`` (sampled by its prefill) goes next, after ``row.ids``."""
+        import torch
+
+        slot, s = row.slot, row.sampling
+        device = self.device
+        self.tokens[slot] = token
+        self.positions[slot] = row.start + len(row.ids)
+        table = list(blocks[: self.max_blocks])
+        self.tables[slot] = torch.tensor(
+            table + [self.blocks.null_block] * (self.max_blocks - len(table)), device=device
+        )
+        self.temperature[slot] = s.temperature
+        self.top_k[slot] = s.top_k
+        self.top_p[slot] = s.top_p
+        self.seeds[slot] = s.seed
+        self.min_tokens[slot] = s.min_tokens
+        self.sampled[slot] = 1
+
+    # -- decode ---------------------------------------------------------------------------------------------
+
+    def decode(self, batch: DecodeBatch) -> list[int]:
+        """One decode pass over ``batch.slots``; their sampled ids, in order. The rows advance only when every id
+        is valid: after a raise, nothing of the decode state changed and the pass may run again on any part of it."""
+        import torch
+
+        n = len(batch.slots)
+        rows = self._rows(batch.slots)
+        if batch.appended:
+            where = torch.tensor([(slot, index) for slot, index, _ in batch.appended], device=self.device)
+            values = torch.tensor([block for _, _, block in batch.appended], device=self.device)
+            self.tables[where[:, 0], where[:, 1]] = values
+        width = self.max_blocks if self.compile == "cuda-graphs" else batch.width
+        ids = self.decode_pass(rows, width, batch.flags)
+        live = ids[:n]
+        host = _checked(live.tolist())  # the pass's one device-to-host copy
+        self._advance(rows[:n], live)
+        self.decode_passes += 1
+        return host
+
+    def decode_pass(self, rows: torch.Tensor, width: int, flags: SamplingFlags) -> torch.Tensor:
+        """The fixed-shape pass for padded ``rows``: inputs gathered from the decode rows, one forward, sampling."""
+        tables = self.tables[rows, :width]
+        key_positions = self._key_positions[: width * self.blocks.block_size]
+        if self.compile == "off":
+            return self._pass(rows, tables, key_positions, flags)
+        fn = self._compiled.get((int(rows.shape[0]), flags))
+        if fn is None:
+            fn = self._compile_pass(flags)
+            self._compiled[(int(rows.shape[0]), flags)] = fn
+        if self.compile == "cpu":
+            import torch
+
+            torch._dynamo.mark_dynamic(tables, 1)
+            torch._dynamo.mark_dynamic(key_positions, 0)
+        return fn(rows, tables, key_positions)  # type: ignore[no-any-return]
+
+    def _compile_pass(self, flags: SamplingFlags) -> Any:
+        import torch
+
+        def run(rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+            return self._pass(rows, tables, key_positions, flags)
+
+        if self.compile == "cuda-graphs":
+            return torch.compile(run, fullgraph=True, mode="reduce-overhead", dynamic=False)
+        return torch.compile(run, fullgraph=True)
+
+    def _pass(
+        self, rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor, flags: SamplingFlags
+    ) -> torch.Tensor:
+        _, kv_heads, _ = self.model.cache_shape
+        positions = self.positions[rows][:, None]
+        meta = Attention(
+            write=write_index(
+                tables, positions, kv_heads=kv_heads, pool_blocks=self.blocks.null_block + 1,
+                block_size=self.blocks.block_size,
+            ),
+            tables=tables,
+            positions=positions,
+            key_positions=key_positions,
+        )  # fmt: skip
+        logits = forward(self.model, self.blocks.keys, self.blocks.values, self.tokens[rows][:, None], meta)
+        return sample(
+            logits[:, : self.vocab],
+            temperature=self.temperature[rows],
+            top_k=self.top_k[rows],
+            top_p=self.top_p[rows],
+            seeds=self.seeds[rows],
+            positions=positions[:, 0] + 1,
+            below_min=self.sampled[rows] < self.min_tokens[rows],
+            stop_ids=self.stop_ids,
+            flags=flags,
+        )
+
+    def _advance(self, live: torch.Tensor, ids: torch.Tensor) -> None:
+        self.tokens.index_copy_(0, live, ids)
+        self.positions.index_add_(0, live, self._ones(live))
+        self.sampled.index_add_(0, live, self._ones(live))
+
+    def _ones(self, like: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        return torch.ones_like(like)
+
+    def _rows(self, slots: tuple[int, ...]) -> torch.Tensor:
+        """The padded rows tensor of ``slots`` (kept while the batch stays the same: the usual pass)."""
+        import torch
+
+        size = bucket(len(slots))
+        cached = self._rows_cache
+        if cached is not None and cached[0] == slots and cached[1] == size:
+            return cached[2]
+        rows = torch.tensor(list(slots) + [self.dummy] * (size - len(slots)), dtype=torch.long, device=self.device)
+        self._rows_cache = (slots, size, rows)
+        return rows
+
+
+def _checked(ids: list[int]) -> list[int]:
+    if ids and min(ids) < 0:
+        bad = [row for row, t in enumerate(ids) if t < 0]
+        raise ValueError(f"sampling rows {bad} failed: their logits are not finite")
+    return ids
+
+
+def forward_tables(
+    model: Decoder,
+    blocks: BlockManager,
+    tables: Sequence[BlockTable],
+    tokens: torch.Tensor,
+    positions: Sequence[int] | None = None,
+    *,
+    all_logits: bool = False,
+    last: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Reserve, run and commit one forward of ``tokens`` ``[rows, T]`` on ``tables``: for tests and tools.
+
+    What the scheduler does around the runner, in one call: positions default to each table's length (append), a
+    smaller one rewinds. Returns float logits ``[rows, vocab]`` of each row's last token (``last[r]``, for rows padded
+    to one T) or ``[rows, T, vocab]`` with ``all_logits``. Raises ``ValueError`` for mismatched shapes, a repeated
+    table, token ids outside the vocabulary or positions past the model's, :class:`~._blocks.CacheFull` when the pool
+    lacks blocks (rows before the failing one keep their reservations; reserving again takes nothing).
+    """
+    import torch
+
+    if tokens.dim() != 2 or tokens.shape[0] != len(tables) or tokens.shape[1] == 0:
+        raise ValueError(f"tokens must be [len(tables)={len(tables)}, T>=1], not {list(tokens.shape)}")
+    rows, steps = int(tokens.shape[0]), int(tokens.shape[1])
+    if len({id(t) for t in tables}) != rows:
+        raise ValueError("a conversation appears twice in one forward: its positions would be written twice")
+    starts = [t.length for t in tables] if positions is None else [int(p) for p in positions]
+    if len(starts) != rows:
+        raise ValueError(f"{len(starts)} positions for {rows} rows")
+    end = max(starts) + steps
+    if min(starts) < 0 or end > model.max_positions:
+        raise ValueError(
+            f"positions {min(starts)}..{end - 1} are not in 0..{model.max_positions - 1} (the model's max_positions)"
+        )
+    host = tokens.cpu()
+    low, high = int(host.min()), int(host.max())
+    if low < 0 or high >= model.vocab_size:
+        raise ValueError(f"token ids must be in 0..{model.vocab_size - 1}, got {low}..{high}")
+    for table, start in zip(tables, starts, strict=True):
+        blocks.reserve(table, start, start + steps)
+    model.prepare(end)
+    device = model.device
+    width = max(blocks.blocks_for(s + steps) for s in starts)
+    table_t = torch.tensor([blocks.block_row(t, width) for t in tables], device=device)
+    pos = torch.tensor(starts, device=device)[:, None] + torch.arange(steps, device=device)
+    _, kv_heads, _ = model.cache_shape
+    meta = Attention(
+        write=write_index(table_t, pos, kv_heads=kv_heads, pool_blocks=blocks.null_block + 1,
+                          block_size=blocks.block_size),
+        tables=table_t,
+        positions=pos,
+        key_positions=torch.arange(width * blocks.block_size, device=device),
+    )  # fmt: skip
+    last_t = None if last is None else torch.tensor(list(last), device=device)
+    logits = forward(
+        model, blocks.keys, blocks.values, tokens.to(device=device, dtype=torch.long), meta,
+        last=last_t, all_logits=all_logits,
+    )  # fmt: skip
+    for table, start, ids in zip(tables, starts, host.tolist(), strict=True):
+        blocks.commit(table, start, ids)
+    return logits
