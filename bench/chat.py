@@ -388,17 +388,17 @@ class EngineAlone:
         """ms per one-row forward with ``history`` positions of history."""
         import torch
 
-        from triton_npu_client.server import PagedKVCache
+        from triton_npu_client.server import PagedKVCache, forward_tables
 
         cache = PagedKVCache.for_model(self.model, num_blocks=MAX_CTX // 16 + 1, block_size=16)
         table = cache.new_table()
         cache.reserve(table, 0, history + 1)
-        self.model.forward(cache, [table], torch.randint(0, self.tokenizer.vocab_size, (1, history)))
+        forward_tables(self.model, cache, [table], torch.randint(0, self.tokenizer.vocab_size, (1, history)))
         token = torch.tensor([[5]])
         start = time.perf_counter()
         for _ in range(100):
             # The same position again: the history stays this long.
-            self.model.forward(cache, [table], token, [history])
+            forward_tables(self.model, cache, [table], token, [history])
         return (time.perf_counter() - start) / 100 * 1e3
 
 

@@ -55,9 +55,12 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from device_check import import_toolkit
 
+from triton_npu_client.server.chat._families import FAMILIES as _FAMILY_TABLE
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "server_models" / "chat" / "demo_gpt2"
-FAMILIES = ("llama", "qwen2", "mistral")
+# The Llama-family model types, from the engine's one table of families.
+FAMILIES = tuple(t for t, (module, _) in _FAMILY_TABLE.items() if module == "_llama")
 FINAL = 1  # stands in for pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 BLOCK_SIZE = 16  # the chat model's default kv_block_size
 # Long enough to fill at least one 16-position block in every tokenizer here: conversations with the same system

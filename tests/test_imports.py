@@ -12,7 +12,13 @@ import pytest
 import triton_npu_client.server as toolkit
 
 # The only toolkit modules the client may load: they import nothing (see tests/test_layers.py).
-SHARED_LEAFS = {"triton_npu_client.server._markers", "triton_npu_client.server._digest"}
+# The chat folder's package file imports nothing; its _families table is the one list of decoder model types.
+SHARED_LEAFS = {
+    "triton_npu_client.server._markers",
+    "triton_npu_client.server._digest",
+    "triton_npu_client.server.chat",
+    "triton_npu_client.server.chat._families",
+}
 HEAVY = ("torch", "tokenizers", "safetensors", "transformers", "triton_python_backend_utils")
 
 
@@ -71,7 +77,7 @@ def test_model_py_imports_still_work() -> None:
         "from triton_npu_client.server import ChatModel, EncoderModel, RunningStatsModel, TokenizerModel\n"
         "from triton_npu_client.server import SEQUENCE_BUSY, SequenceBatching, StepLoop, forward_tables\n"
         "from triton_npu_client.server.chat._chat_model import ChatModel as C\n"
-        "from triton_npu_client.server.chat._runner import forward_tables as forward\n"
+        "from triton_npu_client.server.chat._tables import forward_tables as forward\n"
         "assert ChatModel is C and forward_tables is forward and SEQUENCE_BUSY.startswith('[triton-npu:')\n"
     )
     assert _fresh(code)["toolkit"]  # it ran, and loaded what it used

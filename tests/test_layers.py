@@ -32,7 +32,10 @@ RANK = {
 }
 # The server toolkit runs inside Triton's stub: it imports nothing of the client. Its markers module imports
 # nothing at all, so the client's one error classifier may read the same phrases from it.
-SHARED_LEAFS = frozenset({"triton_npu_client.server._markers", "triton_npu_client.server._digest"})
+# The chat engine's table of decoder families is a leaf too: the client's checkpoint checks and the CLI read it.
+SHARED_LEAFS = frozenset(
+    {"triton_npu_client.server._markers", "triton_npu_client.server._digest", "triton_npu_client.server.chat._families"}
+)
 # Inside the server: its own modules are the generic toolkit; each folder is one model engine, named here on purpose.
 # The toolkit imports no engine; an engine imports the toolkit and itself, never another engine. The package's
 # __init__ (the facade) re-exports every public name of the toolkit and the engines (lazily), so it may import all.
@@ -271,3 +274,55 @@ def test_the_checker_sees_a_private_import_across_layers(tmp_path: Path) -> None
         "triton_npu_client._jobs.x -> triton_npu_client._model._build",
         "triton_npu_client._jobs.x -> triton_npu_client._model (_plans)",
     ]
+
+
+# The chat engine's three owners (vLLM v1's cut): the scheduler (_chat) decides, the block manager (_blocks) owns
+# blocks, the runner (_runner) computes. The runner may read block tables and pools, never decide ownership.
+CHAT = f"{SERVER}.chat"
+RUNNER_MAY_NOT_IMPORT = frozenset({f"{CHAT}._chat", f"{CHAT}._chat_model", f"{CHAT}._template"})
+#: What the runner may use of a block manager: its pools and their shape, nothing that takes or frees a block.
+RUNNER_READS_OF_BLOCKS = frozenset({"keys", "values", "null_block", "block_size", "blocks_for"})
+
+
+def _runner_violations(path: Path) -> list[str]:
+    found = [f"imports {target}" for target in sorted(_imports(path)) if target in RUNNER_MAY_NOT_IMPORT]
+    found += [
+        f"imports {name} from {target}"
+        for target, names in _import_statements(path)
+        if target == f"{CHAT}._blocks"
+        for name in names
+        if name not in ("BlockManager", "BlockTable")
+    ]
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        # self.blocks.<attr> / blocks.<attr> inside the ModelRunner class: only the reads listed above.
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        named_blocks = (
+            isinstance(owner, ast.Attribute) and owner.attr == "blocks"
+            and isinstance(owner.value, ast.Name) and owner.value.id == "self"
+        )  # fmt: skip
+        if named_blocks and node.attr not in RUNNER_READS_OF_BLOCKS:
+            found.append(f"uses self.blocks.{node.attr} (line {node.lineno})")
+    return found
+
+
+def test_the_runner_imports_no_scheduler_and_reads_only_pools_of_the_block_manager() -> None:
+    assert _runner_violations(PACKAGE / "server" / "chat" / "_runner.py") == []
+
+
+def test_the_runner_check_sees_a_scheduler_import_and_a_block_decision(tmp_path: Path) -> None:
+    fake = PACKAGE / "server" / "chat" / "_runner_probe_tmp.py"
+    fake.write_text(
+        "from ._chat import ChatEngine\nfrom ._blocks import CacheFull\n"
+        "class R:\n    def f(self):\n        self.blocks.reserve(1, 0, 1)\n        return self.blocks.keys\n"
+    )
+    try:
+        assert _runner_violations(fake) == [
+            f"imports {CHAT}._chat",
+            f"imports CacheFull from {CHAT}._blocks",
+            "uses self.blocks.reserve (line 5)",
+        ]
+    finally:
+        fake.unlink()

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from triton_npu_client.server import GPT2, Llama, LlamaConfig, RopeScaling, load_decoder, load_llama
 from triton_npu_client.server.chat._blocks import BlockTable, PagedKVCache
 from triton_npu_client.server.chat._llama import RotaryTable, rope_frequencies
-from triton_npu_client.server.chat._runner import forward_tables
+from triton_npu_client.server.chat._tables import forward_tables
 
 TOL = 1e-4
 LLAMA3 = {

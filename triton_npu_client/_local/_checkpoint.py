@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .._errors import UsageError
+from ..server.chat._families import MODEL_TYPES
 from ._server import default_model_repository
 
 __all__ = [
@@ -42,7 +43,8 @@ __all__ = [
 ]
 
 # The decoder families the chat engine loads, by config.json's model_type.
-CHAT_MODEL_TYPES: Final = ("gpt2", "llama", "qwen2", "mistral")
+# The chat engine's one table of decoder families (a leaf module: it imports nothing of the server toolkit).
+CHAT_MODEL_TYPES: Final = MODEL_TYPES
 # "auto": float32 on a CPU instance, the checkpoint's torch_dtype on an accelerator (the engine decides).
 CHAT_DTYPES: Final = ("auto", "float32", "float16", "bfloat16")
 CHAT_DEVICES: Final = ("auto", "npu", "cuda", "cpu")

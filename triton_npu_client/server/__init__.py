@@ -41,7 +41,8 @@ if _typing.TYPE_CHECKING:
     from .chat._decoders import Decoder, load_decoder
     from .chat._gpt2 import GPT2, GPT2Config, GPT2Layer, load_gpt2
     from .chat._llama import Llama, LlamaConfig, LlamaLayer, RopeScaling, load_llama
-    from .chat._runner import DecodeBatch, ModelRunner, PrefillRow, RowSampling, forward_tables
+    from .chat._runner import DecodeBatch, ModelRunner, PrefillRow, RowSampling
+    from .chat._tables import forward_tables
     from .chat._template import ChatTemplateError, CheckpointTokenizer
     from .encoder._bert import BERT, BertConfig, load_bert, sentence_embeddings
     from .encoder._encoder import (
@@ -107,7 +108,7 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "ModelRunner": "chat._runner",
     "PrefillRow": "chat._runner",
     "RowSampling": "chat._runner",
-    "forward_tables": "chat._runner",
+    "forward_tables": "chat._tables",
     "load_gpt2": "chat._gpt2",
     "load_decoder": "chat._decoders",
     "Llama": "chat._llama",

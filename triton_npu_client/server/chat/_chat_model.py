@@ -18,7 +18,8 @@ are merged into at most one response per interval), ``evict_min_idle_ms`` (at th
 when the KV cache has no free block, the conversation idle longest gives way if it has idled at least this long;
 default 60000; negative: never evict), and the input caps of :class:`~._chat.InputLimits`:
 ``max_messages`` (512), ``max_message_bytes`` (65536), ``max_request_bytes`` (262144), ``max_stops`` (16),
-``max_stop_bytes`` (256).
+``max_stop_bytes`` (256), ``compile_decode`` (``off``, ``cpu`` or ``cuda-graphs``: the decode pass compiled as one
+graph per batch bucket, see docs/chat.md).
 
 Every refusal of a request's own input (a bad option, an input over a cap, a malformed turn) begins with the
 ``INVALID_INPUT`` marker and is sent with ``INVALID_ARG``; it is found in ``execute`` (or in admission, for a turn
@@ -53,6 +54,7 @@ from .._state import SequenceSlots
 from ._blocks import PagedKVCache
 from ._chat import ChatEngine, ChatResponse, InputLimits, RefusalKind
 from ._decoders import load_decoder
+from ._runner import Compile
 from ._template import CheckpointTokenizer
 
 __all__ = ["ChatModel"]
@@ -140,6 +142,7 @@ class ChatModel:
             limits=limits,
             # Device context is per thread: the loop's thread makes the instance's device current too.
             on_thread=lambda: _activate(choice, threads),
+            compile=_compile_mode(param("compile_decode", "off")),
         )
         self._keys = itertools.count(1)
         self._control_names = () if self._batching is None else tuple(self._batching.control_inputs.values())
@@ -288,3 +291,11 @@ def _dtype(name: str, checkpoint: Path, device: Any) -> Any:
     raw = read_json_config(checkpoint)
     saved = raw.get("torch_dtype", raw.get("dtype"))  # transformers 5 writes "dtype"
     return choices.get(str(saved), torch.float32)
+
+
+def _compile_mode(name: str) -> Compile:
+    """Parameter ``compile_decode``: ``off`` (eager), ``cpu`` (torch.compile per batch bucket) or ``cuda-graphs``."""
+    name = name.strip().lower()
+    if name not in ("off", "cpu", "cuda-graphs"):
+        raise ValueError(f"parameter compile_decode must be off, cpu or cuda-graphs; got {name!r}")
+    return name  # type: ignore[return-value]

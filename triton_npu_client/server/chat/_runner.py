@@ -31,9 +31,9 @@ from ._sampling import SamplingFlags, sample
 if TYPE_CHECKING:
     import torch
 
-    from ._blocks import BlockManager, BlockTable
+    from ._blocks import BlockManager
 
-__all__ = ["BUCKETS", "Compile", "DecodeBatch", "ModelRunner", "PrefillRow", "RowSampling", "bucket", "forward_tables"]
+__all__ = ["BUCKETS", "Compile", "DecodeBatch", "ModelRunner", "PrefillRow", "RowSampling", "bucket"]
 
 #: Batch sizes a decode pass is padded to (then multiples of the largest).
 BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64)
@@ -149,6 +149,17 @@ class ModelRunner:
         # Counters, for tests and logs.
         self.prefill_forwards = 0
         self.decode_passes = 0
+
+    def enter_thread(self) -> None:
+        """Set up the calling thread for device work; the thread that runs passes calls it once.
+
+        Flush-to-zero is a per-thread CPU mode: without it a matrix product meeting subnormal floats (exp of a very
+        negative score, small activations) runs on the slow path, which measured here as 1.6-2x the decode pass of
+        the GPT-2 demo. The values flushed are below 1e-38, far under what changes a logit.
+        """
+        import torch
+
+        torch.set_flush_denormal(True)
 
     # -- prefill --------------------------------------------------------------------------------------------
 
@@ -266,6 +277,27 @@ class ModelRunner:
     def _pass(
         self, rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor, flags: SamplingFlags
     ) -> torch.Tensor:
+        return self.pass_outputs(rows, tables, key_positions, flags)[1]
+
+    def pass_outputs(
+        self, rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor, flags: SamplingFlags
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode pass's logits and sampled ids (-1 where not finite), for padded ``rows``."""
+        logits = self.pass_logits(rows, tables, key_positions)
+        return logits, sample(
+            logits,
+            temperature=self.temperature[rows],
+            top_k=self.top_k[rows],
+            top_p=self.top_p[rows],
+            seeds=self.seeds[rows],
+            positions=self.positions[rows] + 1,
+            below_min=self.sampled[rows] < self.min_tokens[rows],
+            stop_ids=self.stop_ids,
+            flags=flags,
+        )
+
+    def pass_logits(self, rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """The decode pass's logits ``[rows, vocab]`` (the sampleable ids): its forward, before sampling."""
         _, kv_heads, _ = self.model.cache_shape
         positions = self.positions[rows][:, None]
         meta = Attention(
@@ -278,17 +310,7 @@ class ModelRunner:
             key_positions=key_positions,
         )  # fmt: skip
         logits = forward(self.model, self.blocks.keys, self.blocks.values, self.tokens[rows][:, None], meta)
-        return sample(
-            logits[:, : self.vocab],
-            temperature=self.temperature[rows],
-            top_k=self.top_k[rows],
-            top_p=self.top_p[rows],
-            seeds=self.seeds[rows],
-            positions=positions[:, 0] + 1,
-            below_min=self.sampled[rows] < self.min_tokens[rows],
-            stop_ids=self.stop_ids,
-            flags=flags,
-        )
+        return logits[:, : self.vocab]
 
     def _advance(self, live: torch.Tensor, ids: torch.Tensor) -> None:
         self.tokens.index_copy_(0, live, ids)
@@ -318,65 +340,3 @@ def _checked(ids: list[int]) -> list[int]:
         bad = [row for row, t in enumerate(ids) if t < 0]
         raise ValueError(f"sampling rows {bad} failed: their logits are not finite")
     return ids
-
-
-def forward_tables(
-    model: Decoder,
-    blocks: BlockManager,
-    tables: Sequence[BlockTable],
-    tokens: torch.Tensor,
-    positions: Sequence[int] | None = None,
-    *,
-    all_logits: bool = False,
-    last: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Reserve, run and commit one forward of ``tokens`` ``[rows, T]`` on ``tables``: for tests and tools.
-
-    What the scheduler does around the runner, in one call: positions default to each table's length (append), a
-    smaller one rewinds. Returns float logits ``[rows, vocab]`` of each row's last token (``last[r]``, for rows padded
-    to one T) or ``[rows, T, vocab]`` with ``all_logits``. Raises ``ValueError`` for mismatched shapes, a repeated
-    table, token ids outside the vocabulary or positions past the model's, :class:`~._blocks.CacheFull` when the pool
-    lacks blocks (rows before the failing one keep their reservations; reserving again takes nothing).
-    """
-    import torch
-
-    if tokens.dim() != 2 or tokens.shape[0] != len(tables) or tokens.shape[1] == 0:
-        raise ValueError(f"tokens must be [len(tables)={len(tables)}, T>=1], not {list(tokens.shape)}")
-    rows, steps = int(tokens.shape[0]), int(tokens.shape[1])
-    if len({id(t) for t in tables}) != rows:
-        raise ValueError("a conversation appears twice in one forward: its positions would be written twice")
-    starts = [t.length for t in tables] if positions is None else [int(p) for p in positions]
-    if len(starts) != rows:
-        raise ValueError(f"{len(starts)} positions for {rows} rows")
-    end = max(starts) + steps
-    if min(starts) < 0 or end > model.max_positions:
-        raise ValueError(
-            f"positions {min(starts)}..{end - 1} are not in 0..{model.max_positions - 1} (the model's max_positions)"
-        )
-    host = tokens.cpu()
-    low, high = int(host.min()), int(host.max())
-    if low < 0 or high >= model.vocab_size:
-        raise ValueError(f"token ids must be in 0..{model.vocab_size - 1}, got {low}..{high}")
-    for table, start in zip(tables, starts, strict=True):
-        blocks.reserve(table, start, start + steps)
-    model.prepare(end)
-    device = model.device
-    width = max(blocks.blocks_for(s + steps) for s in starts)
-    table_t = torch.tensor([blocks.block_row(t, width) for t in tables], device=device)
-    pos = torch.tensor(starts, device=device)[:, None] + torch.arange(steps, device=device)
-    _, kv_heads, _ = model.cache_shape
-    meta = Attention(
-        write=write_index(table_t, pos, kv_heads=kv_heads, pool_blocks=blocks.null_block + 1,
-                          block_size=blocks.block_size),
-        tables=table_t,
-        positions=pos,
-        key_positions=torch.arange(width * blocks.block_size, device=device),
-    )  # fmt: skip
-    last_t = None if last is None else torch.tensor(list(last), device=device)
-    logits = forward(
-        model, blocks.keys, blocks.values, tokens.to(device=device, dtype=torch.long), meta,
-        last=last_t, all_logits=all_logits,
-    )  # fmt: skip
-    for table, start, ids in zip(tables, starts, host.tolist(), strict=True):
-        blocks.commit(table, start, ids)
-    return logits
