@@ -23,7 +23,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return load_decoder(write_tiny_llama(tmp_path_factory.mktemp("runner_llama"), "llama", seed=3))
 
 
-def rig(model: Any, prompts: list[list[int]], sampling: RowSampling | None = None) -> tuple[ModelRunner, Any, list[Any]]:
+def rig(
+    model: Any, prompts: list[list[int]], sampling: RowSampling | None = None
+) -> tuple[ModelRunner, Any, list[Any]]:
     """A runner whose slots 0.. hold ``prompts`` prefilled (their first token sampled), and their tables."""
     cache = PagedKVCache.for_model(model, num_blocks=64, block_size=4)
     runner = ModelRunner(model, cache, slots=8, max_ctx=128, vocab=model.vocab_size)
@@ -64,7 +66,7 @@ def test_decoding_together_equals_each_alone_and_padding_changes_nothing(model: 
         batch = grow(cache, together, tables)
         for row, token in enumerate(together.decode(batch)):
             runs[row].append(token)
-        for slot, table in enumerate(tables):
+        for _slot, table in enumerate(tables):
             cache.commit(table, table.length, [0])
     alone = []
     for ids in prompts:
@@ -106,7 +108,8 @@ def test_a_pass_that_fails_leaves_the_decode_rows_as_they_were(model: Any) -> No
     flags = SamplingFlags(sampled=True)
     with pytest.raises(ValueError, match=r"sampling rows \[1\] failed"):
         runner.decode(DecodeBatch(slots=batch.slots, width=batch.width, flags=flags, appended=batch.appended))
-    assert all(torch.equal(a, b) for a, b in zip(before, (runner.tokens, runner.positions, runner.sampled), strict=True))
+    after = (runner.tokens, runner.positions, runner.sampled)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     # Row 0 alone goes on, and advances.
     assert len(runner.decode(DecodeBatch(slots=(0,), width=batch.width, flags=flags))) == 1
     assert int(runner.positions[0]) == int(before[1][0]) + 1
@@ -116,10 +119,12 @@ def test_draws_depend_on_seed_and_position_only() -> None:
     seeds, positions = torch.tensor([7, 7, 8, 7]), torch.tensor([3, 3, 3, 4])
     noise = exponential_noise(seeds, positions, 4096)
     assert torch.equal(noise[0], noise[1])  # same seed, same position: the same draws, in any row
-    assert not torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[3])
+    assert not torch.equal(noise[0], noise[2])
+    assert not torch.equal(noise[0], noise[3])
     assert torch.equal(exponential_noise(seeds[:1], positions[:1], 4096)[0], noise[0])  # alone equals batched
     big = exponential_noise(torch.arange(40), torch.zeros(40, dtype=torch.long), 4096)
-    assert bool((big > 0).all()) and bool(torch.isfinite(big).all())
+    assert bool((big > 0).all())
+    assert bool(torch.isfinite(big).all())
     assert abs(float(big.mean()) - 1.0) < 0.02  # Exp(1): mean 1 (163,840 draws: standard error 0.0025)
 
 
