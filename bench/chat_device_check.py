@@ -154,7 +154,9 @@ def run_engine(
 ) -> EngineRun:
     """The conversations' first turns, all submitted at once, through ChatEngine in a StepLoop driven here."""
     cache = new_cache(tk, model, len(conversations), max_ctx)
+    # The blocks a conversation may take (the pool holds one more: the null block, what padding reads and writes).
     shape = list(cache.keys[0].shape)
+    shape[1] = cache.num_blocks
     cache_note = on_device(f"KV cache blocks {shape} per layer", [*cache.keys, *cache.values], device)
     engine = tk.ChatEngine(
         model,

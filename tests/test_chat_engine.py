@@ -929,3 +929,42 @@ def test_short_prompts_admitted_together_prefill_in_one_forward_and_equal_each_a
             again.last.context_tokens,
         )
     assert long.last.prompt_tokens > 64
+
+
+def test_every_way_a_turn_ends_is_one_status_and_only_the_kept_ones_enter_the_history(checkpoint: Path) -> None:
+    rig = Rig(checkpoint)
+    rig.turn(1, ["user"], ["The cat sat on the mat."], max_tokens=3, min_tokens=3)
+    kept = rig.turns[1]
+    assert (kept.status, kept.finish) == ("length", "length")
+    history = rig.engine._conversations[rig.slots.slot_of(1)].messages  # type: ignore[index]
+    assert history[-1] == ("assistant", text_of(kept))
+    # Cancelled mid-reply: its own status, and the history is as it was before the turn.
+    cancelled = rig.submit(1, ["user"], ["Where are you going?"], max_tokens=60, min_tokens=60)
+    turn = rig.turns[1]
+    rig.loop.run_pass()
+    rig.loop.run_pass()
+    cancelled.cancel = True
+    rig.run(cancelled)
+    assert (turn.status, turn.finish) == ("cancelled", "")
+    assert rig.engine._conversations[rig.slots.slot_of(1)].messages == history  # type: ignore[index]
+    # Superseded: a turn sent while another of the same conversation streams stops it.
+    first = rig.submit(1, ["user"], ["A quiet morning."], max_tokens=60, min_tokens=60)
+    old = rig.turns[1]
+    rig.loop.run_pass()
+    second = rig.submit(1, ["user"], ["The road was long."], max_tokens=2, min_tokens=2)
+    rig.run(first, second)
+    assert old.status == "superseded"
+    assert rig.turns[1].status == "length"
+    # Refused at admission: too long for the context.
+    refused = rig.submit(2, ["user"], ["The river ran cold. " * 400])
+    rig.run(refused)
+    assert rig.turns[2].status == "refused"
+    # A close.
+    close = rig.submit(1, end=True)
+    rig.run(close)
+    assert rig.turns[1].status == "closed"
+    assert close.last.finish == "closed"
+
+
+def text_of(turn: ChatTurn) -> str:
+    return bytes(turn.reply).decode("utf-8", errors="replace")

@@ -34,7 +34,7 @@ from tritonclient.grpc import model_config_pb2
 
 import triton_npu_client.cli as cli
 import triton_npu_client.cli._chat as cli_chat
-from triton_npu_client import Client, default_model_repository
+from triton_npu_client import Client, UsageError, default_model_repository
 from triton_npu_client._local import chat_model_name, chat_model_repository, read_chat_checkpoint, write_chat_model
 from triton_npu_client.server._config import model_parameter
 
@@ -116,14 +116,15 @@ def test_generated_entry_holds_the_checkpoints_values(
     tmp_path: Path, family: str, max_ctx: int | None, expected_ctx: int
 ) -> None:
     """config.pbtxt is the packaged chat config (inputs, outputs, batching, other parameters) with checkpoint,
-    max_ctx = min(the checkpoint's positions, the one given), dtype, device and max_cache_mb set; model.py is the
-    packaged one; the name is the folder's."""
+    max_ctx = min(the checkpoint's positions, the one given), dtype, device, max_cache_mb and cpu_threads set;
+    model.py is the packaged one; the name is the folder's."""
     if family == "gpt2":
         checkpoint = gpt2_checkpoint(tmp_path / "my_gpt2")
     else:
         checkpoint = llama_like_checkpoint(tmp_path / "my_gpt2")
     name = write_chat_model(
-        tmp_path / "repo", checkpoint, max_ctx=max_ctx, dtype="bfloat16", device="cpu", max_cache_mb=256.5
+        tmp_path / "repo", checkpoint, max_ctx=max_ctx, dtype="bfloat16", device="cpu", max_cache_mb=256.5,
+        cpu_threads=3,
     )
     assert name == "my_gpt2"
     found = read_chat_checkpoint(checkpoint)
@@ -140,9 +141,10 @@ def test_generated_entry_holds_the_checkpoints_values(
     assert model_parameter(as_json, "dtype") == "bfloat16"
     assert model_parameter(as_json, "device") == "cpu"
     assert model_parameter(as_json, "max_cache_mb") == "256.5"
+    assert model_parameter(as_json, "cpu_threads") == "3"
 
     packaged = parsed(PACKAGED_CONFIG.read_text())
-    set_here = {"checkpoint", "max_ctx", "dtype", "device", "max_cache_mb"}
+    set_here = {"checkpoint", "max_ctx", "dtype", "device", "max_cache_mb", "cpu_threads"}
     assert {k: v.string_value for k, v in generated.parameters.items() if k not in set_here} == {
         k: v.string_value for k, v in packaged.parameters.items() if k not in set_here
     }
@@ -154,10 +156,12 @@ def test_generated_entry_holds_the_checkpoints_values(
 
 
 def test_defaults_keep_the_packaged_cache_cap_and_choose_dtype_and_device_at_load(tmp_path: Path) -> None:
-    """Without options: dtype and device "auto" (the engine chooses), max_cache_mb the packaged model's."""
+    """Without options: dtype, device and cpu_threads "auto" (the engine chooses when it loads: cpu_threads the
+    cores the stub may run on), max_cache_mb the packaged model's."""
     name = write_chat_model(tmp_path / "repo", llama_like_checkpoint(tmp_path / "ckpt", max_position_embeddings=4096))
     as_json = as_triton_json(parsed((tmp_path / "repo" / name / "config.pbtxt").read_text()))
     assert (model_parameter(as_json, "dtype"), model_parameter(as_json, "device")) == ("auto", "auto")
+    assert model_parameter(as_json, "cpu_threads") == "auto"
     assert model_parameter(as_json, "max_ctx") == "4096"
     assert model_parameter(as_json, "max_cache_mb") == model_parameter(
         as_triton_json(parsed(PACKAGED_CONFIG.read_text())), "max_cache_mb"
@@ -264,6 +268,17 @@ MISTAKES: list[tuple[str, Spoil, list[str], str]] = [
     ("device", _unchanged, ["--device", "tpu"], "device (--device): expected one of auto, npu, cuda, cpu"),
     ("cache", _unchanged, ["--max-cache-mb", "0"], "max_cache_mb (--max-cache-mb): expected a positive number"),
     ("name", _unchanged, ["--name", "a/b"], "model name (--name) 'a/b': expected letters"),
+    (
+        "cpu-threads 0", _unchanged, ["--cpu-threads", "0"],
+        "cpu_threads (--cpu-threads): expected 'auto' or an integer from 1 to 4096, given 0",
+    ),
+    ("cpu-threads < 0", _unchanged, ["--cpu-threads", "-3"], "expected 'auto' or an integer from 1 to 4096, given -3"),
+    ("cpu-threads huge", _unchanged, ["--cpu-threads", "100000"], "from 1 to 4096, given 100000"),
+    (
+        "cpu-threads word", _unchanged, ["--cpu-threads", "two"],
+        "cpu_threads (--cpu-threads): expected 'auto' or a positive integer, given 'two'",
+    ),
+    ("cpu-threads float", _unchanged, ["--cpu-threads", "1.5"], "expected 'auto' or a positive integer, given '1.5'"),
 ]
 
 
@@ -321,6 +336,8 @@ def test_a_mistake_is_one_line_and_exit_2_before_any_server(
         (["chat", "--max-ctx", "100"], "--max-ctx shapes the model generated from a checkpoint: it needs --checkpoint"),
         (["serve", "--name", "x"], "--name shapes the model generated from a checkpoint: it needs --chat DIR"),
         (["serve", "--dtype", "float16"], "--dtype shapes the model"),
+        (["serve", "--cpu-threads", "2"], "--cpu-threads shapes the model generated from a checkpoint: it needs"),
+        (["chat", "--cpu-threads", "auto"], "--cpu-threads shapes the model generated from a checkpoint: it needs"),
         (["chat", "--checkpoint", "CKPT", "--url", "grpc://127.0.0.1:1"], "it cannot go with --url"),
         (["chat", "--checkpoint", "CKPT", "--model", "chat"], "name the new one with --name"),
         (["serve", "--chat", "CKPT", "--model-repository", "REPO"], "REPO has a model 'ckpt' already"),
@@ -336,6 +353,40 @@ def test_options_that_do_not_go_together_are_refused_before_any_server(
     err = refused(capsys, [swap.get(a, a) for a in argv])
     assert needle.replace("REPO", str(repository)) in err
     assert no_server == []
+    assert leftover_folders() == []
+
+
+class Reached(UsageError):
+    """Raised by :class:`ServerAt` where the server would start: the command ends there with one line, exit 2."""
+
+
+class ServerAt:
+    """Stands in for LocalTriton: records the config of every model in the repository it is given, then stops."""
+
+    configs: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, repository: str | Path, *args: object, **kwargs: object) -> None:
+        ServerAt.configs = {p.parent.name: p.read_text() for p in Path(repository).glob("*/config.pbtxt")}
+        raise Reached("a server would start here")
+
+
+@pytest.mark.parametrize(("command", "flag"), [("chat", "--checkpoint"), ("serve", "--chat")])
+@pytest.mark.parametrize(("given", "expected"), [(["--cpu-threads", "3"], "3"), ([], "auto"),
+                                                 (["--cpu-threads", " AUTO"], "auto")])  # fmt: skip
+def test_cpu_threads_reach_the_generated_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str, flag: str,
+    given: list[str], expected: str,
+) -> None:
+    """``--cpu-threads`` (default auto) is the served entry's cpu_threads, in the repository handed to the server."""
+    monkeypatch.setattr(cli, "LocalTriton", ServerAt)
+    monkeypatch.setattr(cli_chat, "LocalTriton", ServerAt)
+    ServerAt.configs = {}
+    checkpoint = gpt2_checkpoint(tmp_path / "ckpt")
+    assert cli.main([command, flag, str(checkpoint), *given]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()[-1]) == ("", f"triton-npu {command}: a server would start here")
+    (config,) = ServerAt.configs.values()
+    assert model_parameter(as_triton_json(parsed(config)), "cpu_threads") == expected
     assert leftover_folders() == []
 
 
@@ -473,7 +524,7 @@ def test_serve_chat_and_chat_checkpoint_answer_a_real_client(tmp_path: Path) -> 
     assert write_chat_model(repository, llama, name="tiny_llama", max_ctx=128) == "tiny_llama"
     question = "Good morning."
     serve = [sys.executable, "-m", "triton_npu_client", "serve", "--chat", str(gpt2),
-             "--model-repository", str(repository), "--max-ctx", "1024"]
+             "--model-repository", str(repository), "--max-ctx", "1024", "--cpu-threads", "1"]
     chat = [sys.executable, "-m", "triton_npu_client", "chat", "--checkpoint", str(llama),
             "--name", "tiny", "--max-ctx", "128", "--max-tokens", "8"]
     # Both commands start their servers at once: the test waits for the slower, not for the sum.
@@ -505,8 +556,10 @@ def test_serve_chat_and_chat_checkpoint_answer_a_real_client(tmp_path: Path) -> 
     assert text
     assert model_parameter(config, "checkpoint") == str(gpt2.resolve())
     assert model_parameter(config, "max_ctx") == "1024"
+    assert model_parameter(config, "cpu_threads") == "1"  # --cpu-threads, as the server holds it
     assert llama_tokens > 0
     assert model_parameter(llama_config, "checkpoint") == str(llama.resolve())
+    assert model_parameter(llama_config, "cpu_threads") == "auto"  # write_chat_model's default
     assert chatting.returncode == 0, chat_lines.err[-3000:]
     assert "starting tritonserver for model 'tiny'" in chat_lines.err
     assert chat_lines.out == llama_text + "\n"

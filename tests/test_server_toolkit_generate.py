@@ -475,7 +475,7 @@ def test_a_step_after_a_cancelled_one_is_accepted_at_once_and_runs_after_it_is_r
     assert loop.submit(7, new, Job(2)) is None  # no busy refusal, no wait
     while loop.run_pass() is not None:
         pass
-    assert model.exits[0] == (7, "cancelled")  # the old stream left before the new one ran
+    assert model.exits[0] == (7, "superseded")  # the old stream left before the new one ran
     assert old.responses[0] == (7, 1)
     assert old.flags == [0, FINAL]
     assert SEQUENCE_BUSY in old.responses[-1][1]
@@ -542,7 +542,7 @@ def test_cancel_then_next_step_at_once_never_puts_two_streams_of_a_sequence_in_o
         pass
     assert all(len(set(keys)) == len(keys) for keys in model.batches), model.batches
     assert nxt.responses == [(4, 1), (4, 2), (4, 3)]
-    assert model.exits.index((4, "cancelled")) < model.exits.index((4, "done"))
+    assert model.exits.index((4, "superseded")) < model.exits.index((4, "done"))
     for key, sender in senders.items():
         if key != 4:
             assert sender.responses == [(key, i) for i in range(1, 7)], key
@@ -552,7 +552,7 @@ def test_cancel_then_next_step_at_once_never_puts_two_streams_of_a_sequence_in_o
 
 def test_supersede_retires_a_running_stream_that_was_never_cancelled() -> None:
     """overlap="supersede": a new step (or an END) of a streaming sequence is accepted at once; the old stream
-    ends as cancelled with a superseded error, in the loop's thread, before the new one is admitted."""
+    ends as superseded, with an error saying so, in the loop's thread, before the new one is admitted."""
     model = Model()
     loop = default_loop(model, overlap="supersede", busy_grace_s=3600.0)  # no grace wait would ever apply
     old, other = FakeSender(), FakeSender()
@@ -570,7 +570,7 @@ def test_supersede_retires_a_running_stream_that_was_never_cancelled() -> None:
     assert message.startswith(SEQUENCE_BUSY)
     assert "superseded" in message
     assert closing.sent == [(None, FINAL)]
-    assert model.exits[:2] == [(1, "cancelled"), (1, "done")]
+    assert model.exits[:2] == [(1, "superseded"), (1, "done")]
     assert model.admitted[-1] == ([1], [2])  # admitted after the old one left the running set
     assert loop.superseded == 1
     assert loop.cancelled == 0  # nobody cancelled it

@@ -2,6 +2,7 @@
 repository entry generated from a checkpoint folder."""
 
 from ._checkpoint import (
+    CHAT_CPU_THREADS_AUTO,
     CHAT_DEVICES,
     CHAT_DTYPES,
     CHAT_MODEL_TYPES,
@@ -15,6 +16,7 @@ from ._checkpoint import (
 from ._server import LocalTriton, default_model_repository, find_tritonserver
 
 __all__ = [
+    "CHAT_CPU_THREADS_AUTO",
     "CHAT_DEVICES",
     "CHAT_DTYPES",
     "CHAT_MODEL_TYPES",

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Final, TextIO
 
 from .._errors import TritonError, UsageError
 from .._local import (
+    CHAT_CPU_THREADS_AUTO,
     CHAT_DEVICES,
     CHAT_DTYPES,
     CHAT_MODEL_TYPES,
@@ -63,14 +64,16 @@ _CHECKPOINT_OPTIONS: Final = {
     "--dtype": "dtype",
     "--device": "device",
     "--max-cache-mb": "max_cache_mb",
+    "--cpu-threads": "cpu_threads",
 }
 
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser, flag: str) -> None:
     """``flag DIR`` (a Hugging Face checkpoint folder to serve as a chat model) and the options of that model.
 
-    The values land in ``ns.checkpoint``, ``ns.chat_name``, ``ns.max_ctx``, ``ns.dtype``, ``ns.device`` and
-    ``ns.max_cache_mb``; all None when not given (see :func:`checkpoint_repository`).
+    The values land in ``ns.checkpoint``, ``ns.chat_name``, ``ns.max_ctx``, ``ns.dtype``, ``ns.device``,
+    ``ns.max_cache_mb`` and ``ns.cpu_threads`` (text, checked by :func:`checkpoint_repository`); all None when not
+    given.
     """
     p.add_argument(
         flag,
@@ -107,6 +110,15 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser, flag: str) -> None:
         default=None,
         help=f"KV-cache cap in MiB (default: the packaged model's); needs {flag}",
     )
+    p.add_argument(
+        "--cpu-threads",
+        default=None,
+        metavar=f"N|{CHAT_CPU_THREADS_AUTO}",
+        help=(
+            f"torch threads of a CPU instance (default {CHAT_CPU_THREADS_AUTO}: one fewer than the cores the "
+            f"server's process may run on, counted when the model loads); needs {flag}"
+        ),
+    )
 
 
 def checkpoint_repository(
@@ -125,6 +137,7 @@ def checkpoint_repository(
         return None
     return chat_model_repository(
         ns.checkpoint,
+        cpu_threads=_cpu_threads(ns.cpu_threads),
         name=ns.chat_name,
         max_ctx=ns.max_ctx,
         dtype="auto" if ns.dtype is None else ns.dtype,
@@ -132,6 +145,21 @@ def checkpoint_repository(
         max_cache_mb=ns.max_cache_mb,
         prefix=prefix,
     )
+
+
+def _cpu_threads(given: str | None) -> int | str:
+    """``--cpu-threads`` as :func:`chat_model_repository` takes it: ``"auto"`` (also when not given) or an int.
+
+    Parsed here rather than by argparse, whose refusal is a usage paragraph: a mistake is one line, like the others.
+    """
+    if given is None or given.strip().lower() == CHAT_CPU_THREADS_AUTO:
+        return CHAT_CPU_THREADS_AUTO
+    try:
+        return int(given.strip(), 10)
+    except ValueError:
+        raise UsageError(
+            f"cpu_threads (--cpu-threads): expected {CHAT_CPU_THREADS_AUTO!r} or a positive integer, given {given!r}"
+        ) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

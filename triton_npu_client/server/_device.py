@@ -15,9 +15,12 @@ state that numpy handles as well on CPU.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib
 import importlib.util
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +40,9 @@ __all__ = [
     "activate",
     "choose_device",
     "choose_instance_device",
+    "cpu_instances",
+    "cpu_thread_count",
+    "keep_freed_memory",
     "instance_index",
     "instance_kind",
     "parse_device_ids",
@@ -80,6 +86,45 @@ def instance_kind(args: Mapping[str, str]) -> str:
     """Triton's instance kind from ``args["model_instance_kind"]``: "GPU", "CPU", "MODEL" ("CPU" when absent)."""
     kind = str(args.get("model_instance_kind") or "CPU").strip().upper()
     return kind.removeprefix("KIND_")
+
+
+def cpu_instances(config: Mapping[str, Any]) -> int:
+    """How many instances of a model run on the host: the counts of its ``instance_group`` entries not on a GPU.
+
+    ``config`` is the model config as a Python model gets it (JSON, parsed). Triton fills ``kind`` and ``count``
+    in; a group without them counts as one host instance.
+    """
+    total = 0
+    for group in config.get("instance_group") or [{}]:
+        if str(group.get("kind", "KIND_CPU")).upper() != "KIND_GPU":
+            total += max(int(group.get("count", 1)), 1)
+    return max(total, 1)
+
+
+def cpu_thread_count(value: str | None, *, instances: int = 1, cores: int | None = None) -> int:
+    """torch's intra-op threads for one CPU instance, from the config parameter ``cpu_threads``.
+
+    A positive integer is taken as it is. ``auto`` (or nothing) is one core fewer than ``cores`` (default: the cores
+    this process may run on, ``os.sched_getaffinity``: a container's or a ``taskset``'s share, not the machine's
+    count), divided among the model's ``instances`` on the host, at least 1. The core left over is for the threads
+    beside the decode: Triton's (gRPC, the backend), the stub's send thread and, often, a client on the same machine.
+    A torch parallel region waits for its slowest thread, so one torch thread preempted by them stalls the whole
+    pass: on 2 cores, 2 threads never made one conversation's tokens faster than 1 (0.93x-1.47x its time per token),
+    spinning OpenMP threads or not (docs/chat.md, "Threads"). Each instance is a process of its own, and instances
+    that each took every core would fight over them.
+    """
+    text = (value or "auto").strip().lower()
+    if text == "auto":
+        if cores is None:
+            cores = len(os.sched_getaffinity(0))
+        return max((cores - 1) // max(instances, 1), 1)
+    try:
+        threads = int(text, 10)
+    except ValueError:
+        raise ValueError(f"parameter cpu_threads must be 'auto' or a positive integer, got {value!r}") from None
+    if threads < 1:
+        raise ValueError(f"parameter cpu_threads must be 'auto' or a positive integer, got {value!r}")
+    return threads
 
 
 def parse_device_ids(spec: str | None) -> list[int] | None:
@@ -220,6 +265,36 @@ def probe_accelerators() -> Accelerators:
             _log.warning("torch_npu imported but could not count NPUs, so no NPU is used: %r", err)
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return Accelerators(npu=npu, cuda=cuda)
+
+
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit (HEAP_MAX_SIZE / 2).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+KEEP_MMAP_THRESHOLD = 32 * 2**20
+KEEP_TRIM_THRESHOLD = 64 * 2**20
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed blocks up to 32 MiB for reuse instead of returning them to the kernel; False if not glibc.
+
+    A decode pass allocates and frees the same temporaries (logits, attention's gathers) every time, some of them
+    above glibc's mmap threshold. glibc raises that threshold by itself once it sees such a block freed, so a
+    process that happened to free a large block early (the in-process benchmark) keeps its temporaries, while the
+    stub's decode thread was seen mapping and unmapping them every pass in some runs: 330-670 page faults a pass at
+    32 conversations, 0.03-0.08 CPU-s per 1,000 tokens in the kernel (docs/chat.md, "Where the stub's time goes"). Fixed
+    thresholds make it the same in every process: blocks up to 32 MiB come from the heap, and a heap keeps up to 64
+    MiB free before it is trimmed. The process holds its peak working set instead of giving it back between passes.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # a C library without mallopt (musl's exists and returns 0: False below)
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD))
 
 
 def activate(choice: DeviceChoice, *, cpu_threads: int | None = 1) -> torch.device:

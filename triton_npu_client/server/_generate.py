@@ -12,7 +12,7 @@ sequence batcher may deliver the next step of a sequence while the previous one 
 Two streams of one sequence must never share a pass. With ``overlap="supersede"`` (what a chat wants: a
 client that cancels a turn and sends the next, or closes, at once) the new step is always accepted and
 the loop *retires* the old stream, on its own thread, before it admits the new one: the old one ends as
-cancelled (``on_exit`` reason ``"cancelled"``) with an error saying it was superseded. With
+superseded (``on_exit`` reason ``"superseded"``) with an error saying so. With
 ``overlap="refuse"`` a step of a sequence whose stream is still running (and not cancelled) is refused
 with a :class:`Refusal` ``"busy"``; one whose stream was cancelled is accepted and the old stream retired
 the same way. Either way the rule never depends on which streams' cancellation a pass happens to ask.
@@ -40,6 +40,7 @@ from typing import Any, Generic, Literal, TypeVar
 from ._controls import CorrelationId
 from ._markers import SEQUENCE_BUSY
 from ._state import Clock, Refusal
+from ._timing import StepTrace
 
 __all__ = ["SEQUENCE_BUSY", "ExitReason", "StepLoop", "StepOutput", "Stream"]
 
@@ -50,7 +51,7 @@ J = TypeVar("J")
 DEFAULT_BUSY_GRACE_S = 0.5
 _BUSY_POLL_S = 0.02
 
-ExitReason = Literal["done", "cancelled", "failed", "shutdown"]
+ExitReason = Literal["done", "cancelled", "superseded", "failed", "shutdown"]
 Overlap = Literal["supersede", "refuse"]
 
 #: How long the loop may go without checking cancellations while streams wait for their next step.
@@ -120,10 +121,14 @@ class StepLoop(Generic[J]):
     must stay off with Triton's senders: the watcher may ask a stream whose FINAL response the send thread has
     just sent, and Triton 2.51 then reads the freed response factory (``TRITONBACKEND_ResponseFactoryIsCancelled``)
     and the whole server dies of a segmentation fault (seen under load in the suite). Asked on the loop's
-    thread, a stream is asked only while it runs, before its FINAL is queued.
+    thread, a stream is asked only while it runs, before its FINAL is queued. ``overlap_sends=False`` makes each
+    pass wait until the send thread has sent everything queued, so that no other thread of the loop runs Python
+    while a pass computes (measured: it saves the decode thread no CPU and costs the sends' overlap; docs/chat.md).
 
     Every callback runs on the loop's thread, one at a time: model state they share needs no lock.
     ``start=False`` runs no thread: the caller drives :meth:`run_pass` (tests, with an injected clock).
+    ``trace`` (see ``_timing``): marks each request's way through the loop and times each pass; None, the default,
+    costs one test per pass and per response.
     """
 
     def __init__(
@@ -138,12 +143,14 @@ class StepLoop(Generic[J]):
         cancel_check_every: int = DEFAULT_CANCEL_CHECK_EVERY,
         background_sends: bool = True,
         background_checks: bool = False,
+        overlap_sends: bool = True,
         busy_grace_s: float = DEFAULT_BUSY_GRACE_S,
         overlap: Overlap = "refuse",
         superseded_message: Callable[[CorrelationId], str] | None = None,
         clock: Clock = time.monotonic,
         name: str = "step-loop",
         start: bool = True,
+        trace: StepTrace | None = None,
     ) -> None:
         if cancel_poll_s <= 0:
             raise ValueError(f"cancel_poll_s must be > 0, got {cancel_poll_s}")
@@ -156,6 +163,7 @@ class StepLoop(Generic[J]):
         if cancel_check_every < 1:
             raise ValueError(f"cancel_check_every must be >= 1, got {cancel_check_every}")
         self._cancel_check_every = cancel_check_every
+        self._overlap_sends = overlap_sends
         self._passes = 0
         if overlap not in ("supersede", "refuse"):
             raise ValueError(f"overlap must be 'supersede' or 'refuse', got {overlap!r}")
@@ -163,6 +171,7 @@ class StepLoop(Generic[J]):
         self._overlap = overlap
         self._superseded_message = superseded_message or _superseded
         self._clock = clock
+        self._trace = trace
         self._cond = threading.Condition()
         # Guarded by _cond: what execute threads and the loop thread share.
         self._pending: list[Stream[J]] = []
@@ -180,7 +189,7 @@ class StepLoop(Generic[J]):
         self._watcher: _Watcher | None = None
         if start:
             if background_sends:
-                self._outbox = _Outbox(f"{name}-send")
+                self._outbox = _Outbox(f"{name}-send", trace)
             if background_checks:
                 self._watcher = _Watcher(f"{name}-cancel", self._wake)
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -273,11 +282,19 @@ class StepLoop(Generic[J]):
         """
         if self._outbox is not None:
             # At most one pass of responses waiting to leave: computing further ahead would only grow the
-            # queue (and every client's latency) when sending is the slower side.
-            self._outbox.wait_below(len(self._running) + 1)
+            # queue (and every client's latency) when sending is the slower side. Without overlap, none: the send
+            # thread is idle (touches no Python) while the pass runs.
+            self._outbox.wait_below(len(self._running) + 1 if self._overlap_sends else 1)
+        trace = self._trace
+        started = cpu = 0.0
+        if trace is not None:
+            started, cpu = trace.clock(), time.thread_time()
         with self._cond:
             new, self._pending = self._pending, []
             retire, self._retire = self._retire, []
+        if trace is not None:
+            for stream in new:
+                trace.mark(stream.sender, "taken", started)
         if retire:
             new = self._retire_streams(retire, new)
         running = self._drop_cancelled(self._running, admitted=True)
@@ -289,7 +306,14 @@ class StepLoop(Generic[J]):
         due = [s for s in self._running if s.not_before <= now]
         if due:
             self._advance(due, now)
+        if trace is not None and (arrived or due):
+            trace.pass_done(
+                start=started, end=trace.clock(), cpu_s=time.thread_time() - cpu, admitted=len(arrived),
+                stepped=len(due), running=len(self._running),
+            )  # fmt: skip
         if not self._running:
+            if trace is not None:
+                trace.flush_passes()
             return None
         wait = min(s.not_before for s in self._running) - self._clock()
         return min(max(wait, 0.0), self._cancel_poll_s)
@@ -311,7 +335,7 @@ class StepLoop(Generic[J]):
         for stream, was_admitted in [*((s, False) for s in queued), *((s, True) for s in admitted)]:
             self._superseded += 1
             error = self._error(self._superseded_message(stream.key))
-            self._finish(stream, error, "cancelled", admitted=was_admitted)
+            self._finish(stream, error, "superseded", admitted=was_admitted)
         return new
 
     def _drop_cancelled(self, streams: list[Stream[J]], *, admitted: bool) -> list[Stream[J]]:
@@ -370,6 +394,10 @@ class StepLoop(Generic[J]):
     def _admit_isolated(self, arrived: list[Stream[J]], running: list[Stream[J]]) -> list[tuple[Stream[J], Any]]:
         """``admit`` for ``arrived``; when it raises, again on each half, down to the streams that fail alone."""
         assert self._admit is not None
+        trace = self._trace
+        if trace is not None:
+            for stream in arrived:
+                trace.mark(stream.sender, "admit_start")
         try:
             verdicts = list(self._admit(arrived, running))
         except Exception as err:
@@ -382,6 +410,9 @@ class StepLoop(Generic[J]):
             # The first half's admitted streams run now: the second half's admit must see them as running.
             running = running + [stream for stream, verdict in first if verdict is None]
             return first + self._admit_isolated(arrived[mid:], running)
+        if trace is not None:
+            for stream in arrived:
+                trace.mark(stream.sender, "admit_end")
         if len(verdicts) != len(arrived):
             # A bug of the callback, not of a stream: trying fewer streams would not find a culprit.
             bug = RuntimeError(f"admit returned {len(verdicts)} verdicts for {len(arrived)} streams")
@@ -411,7 +442,13 @@ class StepLoop(Generic[J]):
         # The pass's responses go to the outbox at once: one wake-up of its thread per pass, not one per response
         # (each wake-up takes the GIL from the decode thread).
         outgoing: list[tuple[Stream[Any], Any, int]] = []
-        for stream, out in self._step_isolated(due):
+        stepped = self._step_isolated(due)
+        trace = self._trace
+        if trace is not None:
+            done_at = trace.clock()
+            for stream, _ in stepped:
+                trace.mark(stream.sender, "step_end", done_at)
+        for stream, out in stepped:
             if isinstance(out, _Failed):
                 ended.add(id(stream))
                 self._finish(stream, self._error(f"computing the next response failed: {out.error}"), "failed")
@@ -424,15 +461,21 @@ class StepLoop(Generic[J]):
             stream.not_before = now + max(out.wait_s, 0.0)
             if out.response is None:
                 continue
+            if trace is not None:
+                trace.mark(stream.sender, "queued")
             if self._outbox is not None:
                 outgoing.append((stream, out.response, 0))
                 continue
+            if trace is not None:
+                trace.mark(stream.sender, "send_start")
             try:
                 stream.sender.send(out.response, flags=0)
             except Exception as err:
                 _log.warning("sending a response for sequence %r failed: %s", stream.key, err)
                 ended.add(id(stream))
                 self._finish(stream, None, "failed")
+            if trace is not None:
+                trace.mark(stream.sender, "send_end")
         if outgoing:
             assert self._outbox is not None
             self._outbox.put_many(outgoing)
@@ -453,10 +496,12 @@ class StepLoop(Generic[J]):
                 self._on_exit(stream, reason)
             except Exception:
                 _log.exception("on_exit failed for sequence %r", stream.key)
+        if self._trace is not None:
+            self._trace.mark(stream.sender, "queued")
         if self._outbox is not None:
             self._outbox.put(stream, response, self._final)
             return
-        _send_final(stream, response, self._final, reason)
+        _send_final(stream, response, self._final, reason, self._trace)
 
     def _is_cancelled(self, stream: Stream[J]) -> bool:
         try:
@@ -518,7 +563,9 @@ def _superseded(key: CorrelationId) -> str:
     )
 
 
-def _send_final(stream: Stream[Any], response: Any, flags: int, reason: str) -> None:
+def _send_final(stream: Stream[Any], response: Any, flags: int, reason: str, trace: StepTrace | None) -> None:
+    if trace is not None:
+        trace.mark(stream.sender, "send_start")
     try:
         if response is None:
             stream.sender.send(flags=flags)
@@ -527,6 +574,9 @@ def _send_final(stream: Stream[Any], response: Any, flags: int, reason: str) -> 
     except Exception as err:
         # A cancelled request may refuse further sends; the stream is over either way.
         _log.debug("final send for sequence %r (%s) failed: %s", stream.key, reason, err)
+    if trace is not None:
+        trace.mark(stream.sender, "send_end")
+        trace.finish(stream.sender)
 
 
 class _Outbox:
@@ -538,7 +588,8 @@ class _Outbox:
     One thread keeps every stream's responses in order, its FINAL last.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, trace: StepTrace | None = None) -> None:
+        self._trace = trace
         self._queue: deque[tuple[Stream[Any], Any, int]] = deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -578,15 +629,20 @@ class _Outbox:
                 # What waits now, sent in one go: the lock and the waiters are touched once per batch. The items
                 # stay queued until sent, so wait_below counts them.
                 batch = list(self._queue)
+            trace = self._trace
             for stream, response, flags in batch:
                 if flags:
-                    _send_final(stream, response, flags, "final")
+                    _send_final(stream, response, flags, "final", trace)
                 elif not stream.send_failed:
+                    if trace is not None:
+                        trace.mark(stream.sender, "send_start")
                     try:
                         stream.sender.send(response, flags=0)
                     except Exception as err:
                         _log.warning("sending a response for sequence %r failed: %s", stream.key, err)
                         stream.send_failed = True  # the loop ends the stream at its next pass
+                    if trace is not None:
+                        trace.mark(stream.sender, "send_end")
             with self._cond:
                 for _ in batch:
                     self._queue.popleft()

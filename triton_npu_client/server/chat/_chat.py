@@ -1,13 +1,20 @@
-"""A chat engine: conversations whose KV caches stay on the device, decoded together, streamed piece by piece.
+"""The chat engine's scheduler: conversations whose KV caches stay on the device, decoded together, streamed.
 
-It plugs into :class:`~.._generate.StepLoop` as its three callbacks:
+It owns conversations and turns and decides everything about them; the block manager (``_blocks``) owns blocks and
+the model runner (``_runner``) computes, each handed a plain value. It plugs into :class:`~.._generate.StepLoop` as
+its three callbacks:
 
-- ``admit`` (a turn arrives): fit it into the context, prefill only the tokens the conversation's
-  cache does not hold yet (nor a registered prefix another conversation already computed), keep the
-  logits of the last position;
-- ``step`` (one pass): sample one token for every generating conversation on the device, then run *one*
-  batched decode forward for all that go on; a turn that arrived meanwhile joins at the next pass;
-- ``on_exit``: free the conversation on END; a turn that did not finish normally is rolled back.
+- ``admit`` (a turn arrives): fit it into the context, reserve and prefill only the tokens the conversation's
+  cache does not hold yet (nor a registered prefix another conversation already computed); the runner samples the
+  turn's first token and writes its decode row;
+- ``step`` (one pass): every due turn takes its sampled token (the reply grows, stops are checked), then *one*
+  decode pass samples the next token of all that go on; a turn that arrived meanwhile joins at the next pass;
+- ``on_exit``: the turn ends, and its conversation is freed on END.
+
+Every way a turn ends goes through :meth:`ChatEngine.finish` and gives it one :data:`TurnStatus`: stop, stop_string,
+length and context keep the turn in the history; closed, cancelled, superseded, failed, refused and shutdown leave
+the history as it was before it. A generating turn is never evicted (eviction takes idle conversations only): the
+next turn of an evicted conversation is refused.
 
 The decoder is any of the chat folder's (GPT-2, the Llama family: ``_decoders.load_decoder``) and the KV cache
 is paged (``_paged``): each conversation holds blocks in proportion to its length, and equal prefixes (a system
@@ -87,10 +94,23 @@ __all__ = [
     "GREEDY_BELOW",
     "InputLimits",
     "TurnOptions",
+    "TurnStatus",
 ]
 
 ROLES: Final = ("system", "user", "assistant")
 Finish = Literal["", "stop", "stop_string", "length", "context", "closed"]
+#: A turn's one status: waiting (parsed, not admitted), running (admitted), then exactly one way it ended. The first
+#: four ends keep the turn in the history (the reply as the client received it); every other end rolls it back.
+TurnStatus = Literal[
+    "waiting", "running",
+    "stop", "stop_string", "length", "context",
+    "closed", "cancelled", "superseded", "failed", "refused", "shutdown",
+]  # fmt: skip
+KEPT: Final[frozenset[str]] = frozenset({"stop", "stop_string", "length", "context"})
+#: The step loop's exit reasons as turn ends ("done" is the end the step itself decided).
+_EXITS: Final[dict[str, TurnStatus]] = {
+    "cancelled": "cancelled", "superseded": "superseded", "failed": "failed", "shutdown": "shutdown",
+}  # fmt: skip
 RefusalKind = Literal["invalid", "capacity", "unknown"]
 
 #: The longest stream interval a turn may ask for (STREAM_INTERVAL_MS): past a minute a "stream" is one response.
@@ -248,12 +268,23 @@ class ChatTurn:
     # The token sampled last (by the prefill, then by each decode pass), not yet part of the reply: the next step
     # takes it. None: not prefilled yet.
     next_token: int | None = None
+    needs_pass: bool = False  # its reply took next_token: a decode pass must feed it before the next is taken
     # Set by step.
     reply_ids: list[int] = field(default_factory=list)
     reply: bytearray = field(default_factory=bytearray)
     sent: int = 0  # bytes of `reply` already streamed
     sent_at: float | None = None  # when the last piece went out (None: none yet)
-    finish: Finish = ""
+    status: TurnStatus = "waiting"
+    ending: TurnStatus | None = None  # the end a step decided, until the step's outputs are emitted
+
+    @property
+    def finish(self) -> Finish:
+        """What the last response's FINISH says: how a kept turn ended ("" while it runs or when it was not kept)."""
+        return self.status if self.status in KEPT else ""  # type: ignore[return-value]
+
+    @property
+    def ended(self) -> bool:
+        return self.status not in ("waiting", "running")
 
 
 class ChatEngine:
@@ -465,9 +496,11 @@ class ChatEngine:
             if refusal.reason == "unknown" and new[row].job.options is None:
                 # Closing a conversation the server no longer holds (swept, evicted) is done already: an END is
                 # never refused.
+                self.finish(new[row].job, "closed")
                 verdicts[row] = self._respond(self._response(b"", "closed", 0, 0, 0, 0))
                 continue
             kind: RefusalKind = refusal.reason if refusal.reason in ("capacity", "unknown") else "invalid"  # type: ignore[assignment]
+            self.finish(new[row].job, "refused")
             verdicts[row] = self._refuse(kind, refusal.message)
         for row, slot in zip(plan.rows, plan.slots, strict=True):
             if row >= len(new):
@@ -480,6 +513,7 @@ class ChatEngine:
                 conv = Conversation(table=self.cache.new_table(), version=next(self._versions))
                 self._conversations[slot] = conv
             turn.slot = slot
+            turn.status = "running"
             if not turn.start and turn.digest is not None and turn.digest != conv.digest:
                 if conv.undo is not None and turn.digest == conv.undo.digest:
                     # The client never saw the last turn end (it cancelled, or timed out, after the server
@@ -487,6 +521,7 @@ class ChatEngine:
                     conv.roll_back(next(self._versions))
                     self._histories[stream.key] = (conv.version, conv.messages, conv.pinned)
                 else:
+                    self.finish(turn, "refused")
                     verdicts[row] = self._refuse(
                         "unknown",
                         f"{SEQUENCE_UNKNOWN} sequence {stream.key!r}: the conversation's history differs from the "
@@ -498,6 +533,7 @@ class ChatEngine:
             try:
                 pending = self._prefill(turn, conv, protected={s.key for s in (*new, *running)})
             except _TurnRefused as err:
+                self.finish(turn, "refused")
                 verdicts[row] = self._refuse(err.kind, str(err))
                 if turn.end:
                     self._release(stream.key)
@@ -514,36 +550,44 @@ class ChatEngine:
             context = 0 if conv is None else conv.table.length
             digest = EMPTY if conv is None else conv.digest
             self._release(new[row].key)
+            self.finish(new[row].job, "closed")
             verdicts[row] = self._respond(self._response(b"", "closed", 0, 0, context, 0, digest=digest))
         return verdicts
 
     def step(self, due: Sequence[Stream[ChatTurn]]) -> list[StepOutput]:
-        """Each due turn takes its sampled token, then one decode pass samples the next for the turns that go on.
+        """One decode pass for the due turns that wait for one, then each due turn takes its sampled token.
 
-        Safe to call again on any part of ``due`` after it raised: the replies and sampled tokens are put back as
-        they were, the runner advances its rows only after a pass went through, and nothing else changes before
-        the pass (blocks a turn reserved to grow stay reserved, and reserving them again takes nothing).
+        The pass comes first and the pieces are returned right after the tokens they carry were taken: a piece goes
+        out without waiting for the forward that computes the token after it, so a turn's first piece (its token was
+        sampled by the prefill) leaves in the pass that admitted it, one forward sooner than a decode-then-emit step.
+
+        Safe to call again on any part of ``due`` after it raised: a pass that raises changes nothing (the runner
+        advances its rows only after a pass went through, and the tables take their tokens after it), and the
+        replies are put back as they were when taking the tokens raises (blocks a turn reserved to grow stay
+        reserved, and reserving them again takes nothing).
         """
         self._enter_thread()
         turns = [s.job for s in due]
+        waiting = [t for t in turns if t.needs_pass]
+        if waiting:
+            self._decode(waiting)
         if any(t.next_token is None for t in turns):
             raise RuntimeError("a turn in the step has no sampled token: it was never prefilled")
-        before = [(len(t.reply_ids), bytes(t.reply[t.sent :]), t.next_token) for t in turns]
+        before = [(len(t.reply_ids), bytes(t.reply[t.sent :])) for t in turns]
         try:
-            self._advance(turns, protected={s.key for s in due})
+            self._take(turns, protected={s.key for s in due})
         except BaseException:
-            for turn, (n_ids, tail, token) in zip(turns, before, strict=True):
+            for turn, (n_ids, tail) in zip(turns, before, strict=True):
                 del turn.reply_ids[n_ids:]
                 turn.reply[turn.sent :] = tail
-                turn.next_token = token
-                turn.finish = ""
+                turn.ending = None
+                turn.needs_pass = False
             raise
         # Nothing below raises: the step is decided.
         return self._emit(turns)
 
-    def _advance(self, turns: list[ChatTurn], protected: set[CorrelationId]) -> None:
-        """Extend each turn's reply with its sampled token, then decode the turns that go on."""
-        going: list[ChatTurn] = []
+    def _take(self, turns: list[ChatTurn], protected: set[CorrelationId]) -> None:
+        """Extend each turn's reply with its sampled token; those that go on reserve a position for the next pass."""
         for turn in turns:
             options = turn.options
             assert options is not None
@@ -551,23 +595,21 @@ class ChatEngine:
             assert token is not None
             table = self._table(turn)
             if token in self.tokenizer.stop_ids:
-                turn.finish = "stop"
+                turn.ending = "stop"
             else:
                 turn.reply_ids.append(token)
                 turn.reply += self._piece(token, first=len(turn.reply_ids) == 1)
                 cut = _find_stop(turn.reply, options.stop, turn.sent)
                 if cut is not None:
                     del turn.reply[cut:]
-                    turn.finish = "stop_string"
+                    turn.ending = "stop_string"
                 elif len(turn.reply_ids) >= options.max_tokens:
-                    turn.finish = "length"
+                    turn.ending = "length"
                 elif table.length >= self.max_ctx or not self._grow(table, protected):
                     # The end of the context, or no block to grow into (see the module docstring).
-                    turn.finish = "context"
-            if not turn.finish:
-                going.append(turn)
-        if going:
-            self._decode(going)
+                    turn.ending = "context"
+            if turn.ending is None:
+                turn.needs_pass = True  # the next pass feeds it its token
 
     def _piece(self, token: int, *, first: bool) -> bytes:
         # A reply's first token may carry the SentencePiece space its decoder drops at the start of a text.
@@ -578,10 +620,10 @@ class ChatEngine:
         for turn in turns:
             options = turn.options
             assert options is not None
-            if turn.finish:
+            if turn.ending is not None:
                 piece = bytes(turn.reply[turn.sent :])
                 turn.sent = len(turn.reply)
-                self._commit(turn)
+                self.finish(turn, turn.ending)
                 outputs.append(StepOutput(response=self._turn_response(turn, piece), done=True))
                 continue
             # Hold back a tail that may be the start of a stop string: it is sent once it is known not to be.
@@ -614,12 +656,28 @@ class ChatEngine:
         turn.sent_at = now
         return True
 
+    def finish(self, turn: ChatTurn, status: TurnStatus) -> None:
+        """The one way a turn ends, whatever ended it: its status is set once; a kept end commits it to the history.
+
+        Every other end (cancelled, superseded, failed, refused, shutdown) leaves the history as it was before the
+        turn: the table's positions past it are rewound lazily, at the conversation's next prefill.
+        """
+        if turn.ended:
+            return  # one end per turn: the loop's own exit after a step's end changes nothing
+        turn.status = status
+        turn.ending = None
+        if status in KEPT:
+            self._commit(turn)
+        turn.next_token = None
+
     def on_exit(self, stream: Stream[ChatTurn], reason: ExitReason) -> None:
-        """A turn left the loop: free its conversation on END. One that did not finish was never committed.
+        """A turn left the loop: it ends (through :meth:`finish`), and its conversation is freed on END.
 
         Its conversation's idle time counts from here, so an eviction never takes one that just answered.
         """
         turn = stream.job
+        if not turn.ended:
+            self.finish(turn, _EXITS.get(reason, "failed"))
         turn.next_token = None
         if turn.end:
             self._release(stream.key)
@@ -846,6 +904,7 @@ class ChatEngine:
             self.cache.commit(conv.table, conv.table.length, [turn.reply_ids[-1]])
             conv.device_blocks = len(conv.table.blocks)
             turn.next_token = token
+            turn.needs_pass = False
         self.decode_passes += 1
         self.rows_decoded += len(turns)
 

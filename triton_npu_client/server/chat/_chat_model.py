@@ -13,8 +13,12 @@ float32 on a CPU instance, the checkpoint's own on an accelerator; or float32, f
 paged KV cache's memory: blocks of ``kv_block_size`` positions, default 16), ``share_prefixes`` (equal prefixes
 computed once and shared; default true with sequence batching, false for the stateless twin),
 ``default_max_tokens``, ``device`` / ``device_ids`` (see ``_device``), ``cpu_threads`` (torch threads on a CPU
-instance), ``sweep_grace_us``, ``stream_interval_ms`` (0: a response per token; above, a turn's pieces in mid-reply
-are merged into at most one response per interval), ``evict_min_idle_ms`` (at the cap of conversations, or
+instance: a number, or ``auto``, the default: one fewer than the cores the stub may run on, shared among the model's
+CPU instances), ``keep_freed_memory`` (default true: glibc keeps freed blocks for reuse, see
+``_device.keep_freed_memory``),
+``overlap_sends`` (default true: responses leave while the next pass computes), ``sweep_grace_us``,
+``stream_interval_ms`` (0: a response per token; above, a turn's pieces in mid-reply are merged into at most one
+response per interval), ``evict_min_idle_ms`` (at the cap of conversations, or
 when the KV cache has no free block, the conversation idle longest gives way if it has idled at least this long;
 default 60000; negative: never evict), and the input caps of :class:`~._chat.InputLimits`:
 ``max_messages`` (512), ``max_message_bytes`` (65536), ``max_request_bytes`` (262144), ``max_stops`` (16),
@@ -45,12 +49,16 @@ from .._device import (
     accelerator_possible,
     activate,
     choose_instance_device,
+    cpu_instances,
+    cpu_thread_count,
+    keep_freed_memory,
     parse_device_ids,
     probe_accelerators,
 )
 from .._generate import StepLoop
 from .._markers import INVALID_INPUT
 from .._state import SequenceSlots
+from .._timing import StepTrace
 from ._blocks import PagedKVCache
 from ._chat import ChatEngine, ChatResponse, InputLimits, RefusalKind
 from ._decoders import load_decoder
@@ -84,7 +92,13 @@ class ChatModel:
             device_ids=parse_device_ids(model_parameter(config, "device_ids")),
             force=force,
         )
-        threads = int(param("cpu_threads", "2"))
+        # "auto" (what a generated entry says): one fewer than the cores this stub may run on, shared among the
+        # model's CPU instances (see _device.cpu_thread_count and docs/chat.md, "Threads").
+        threads = cpu_thread_count(param("cpu_threads", "auto"), instances=cpu_instances(config))
+        if _flag(param("keep_freed_memory", "true")):
+            # Before the model loads: the decode passes' temporaries stay in the heap instead of being unmapped and
+            # faulted in again every pass (see _device.keep_freed_memory).
+            keep_freed_memory()
         device = activate(choice, cpu_threads=threads)
         checkpoint = Path(args["model_repository"]) / param("checkpoint", "demo_gpt2")
         model = load_decoder(checkpoint, device=device, dtype=_dtype(param("dtype", "auto"), checkpoint, device))
@@ -146,6 +160,8 @@ class ChatModel:
         )
         self._keys = itertools.count(1)
         self._control_names = () if self._batching is None else tuple(self._batching.control_inputs.values())
+        # Off unless the stub's environment names a trace file (the benchmarks' stage timings; see _timing).
+        self._trace = StepTrace.from_env(args.get("model_instance_name", "chat"))
         self._loop = StepLoop(
             step=self.engine.step,
             admit=self.engine.admit,
@@ -156,6 +172,8 @@ class ChatModel:
             # the old one: never refused as busy, never a grace wait on an execute thread.
             overlap="supersede",
             name=args.get("model_instance_name", "chat"),
+            overlap_sends=_flag(param("overlap_sends", "true")),
+            trace=self._trace,
         )
         _log.info(
             "%s on %s: up to %d conversations of up to %d tokens (%s), %d KV blocks of %d positions (%.1f MiB), %s",
@@ -172,8 +190,10 @@ class ChatModel:
 
     def execute(self, requests: list[Any]) -> None:
         pb = self._pb
+        trace = self._trace
         for request in requests:
             sender = request.get_response_sender()
+            begun = 0.0 if trace is None else trace.clock()
             try:
                 key: CorrelationId
                 if self._batching is None:
@@ -204,9 +224,15 @@ class ChatModel:
             except ValueError as err:
                 sender.send(self._error(_invalid(str(err)), pb.TritonError.INVALID_ARG), flags=self._final)
                 continue
+            if trace is not None:
+                trace.request(sender, key, execute=begun, parsed=trace.clock())
             refusal = self._loop.submit(key, sender, turn)
+            if trace is not None:
+                trace.mark(sender, "submitted")
             if refusal is not None:
                 sender.send(self._error(refusal.message, pb.TritonError.UNAVAILABLE), flags=self._final)
+                if trace is not None:
+                    trace.finish(sender)
 
     def finalize(self) -> None:
         self._loop.close()
@@ -260,6 +286,10 @@ class ChatModel:
             raise ValueError(f"input {name!r} must hold one value, got {flat.size}")
         value = flat[0]
         return value if isinstance(value, bytes) else value.item()
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes")
 
 
 def _invalid(message: str) -> str:

@@ -20,10 +20,12 @@ torch is imported inside the functions, never at module level.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+from .._device import keep_freed_memory
 from ._attention import Attention, write_index
 from ._decoders import Decoder, forward
 from ._sampling import SamplingFlags, sample
@@ -151,21 +153,22 @@ class ModelRunner:
         self.decode_passes = 0
 
     def enter_thread(self) -> None:
-        """Set up the calling thread for device work; the thread that runs passes calls it once.
+        """Set up the process for device work; the thread that runs passes calls it once.
 
-        Flush-to-zero is a per-thread CPU mode: without it a matrix product meeting subnormal floats (exp of a very
-        negative score, small activations) runs on the slow path, which measured here as 1.6-2x the decode pass of
-        the GPT-2 demo. The values flushed are below 1e-38, far under what changes a logit.
+        A pass's temporaries (gathered histories, scores) are then reused from the heap, not mapped afresh each pass
+        (``_device.keep_freed_memory``): process-wide, so an in-process benchmark measures what the stub runs.
         """
-        import torch
-
-        torch.set_flush_denormal(True)
+        keep_freed_memory()
 
     # -- prefill --------------------------------------------------------------------------------------------
 
     def prefill(self, rows: Sequence[PrefillRow]) -> list[int]:
         """One forward for ``rows`` (padded to their longest, each row's logits at its own last token); a sampled
         id per row. Raises ``ValueError`` naming the rows whose logits are not finite."""
+        with _flush_to_zero():
+            return self._prefill(rows)
+
+    def _prefill(self, rows: Sequence[PrefillRow]) -> list[int]:
         import torch
 
         device = self.device
@@ -240,7 +243,8 @@ class ModelRunner:
             values = torch.tensor([block for _, _, block in batch.appended], device=self.device)
             self.tables[where[:, 0], where[:, 1]] = values
         width = self.max_blocks if self.compile == "cuda-graphs" else batch.width
-        ids = self.decode_pass(rows, width, batch.flags)
+        with _flush_to_zero():
+            ids = self.decode_pass(rows, width, batch.flags)
         live = ids[:n]
         host = _checked(live.tolist())  # the pass's one device-to-host copy
         self._advance(rows[:n], live)
@@ -333,6 +337,24 @@ class ModelRunner:
         rows = torch.tensor(list(slots) + [self.dummy] * (size - len(slots)), dtype=torch.long, device=self.device)
         self._rows_cache = (slots, size, rows)
         return rows
+
+
+@contextlib.contextmanager
+def _flush_to_zero() -> Iterator[None]:
+    """Subnormal floats flushed to zero while a pass runs (a per-thread CPU mode, put back after).
+
+    Without it a matrix product meeting subnormals (the exp of a very negative score, small activations) runs on
+    the CPU's slow path: measured here, a 1-row decode pass of the GPT-2 demo took 3.69 ms, and 1.87 ms flushed.
+    The values flushed are below 1e-38, far under what changes a logit. Put back after the pass: other code on the
+    thread (numpy, hypothesis in the tests) may rely on IEEE subnormals.
+    """
+    import torch
+
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def _checked(ids: list[int]) -> list[int]:
