@@ -16,7 +16,9 @@ The measurements, each the median of ``--repeats`` rounds, contenders alternatin
    tokens/s counts every generated token over the wall time of the turn. Each twice: a response per token,
    and with the client asking for ``--interval-ms`` (STREAM_INTERVAL_MS: fewer, larger responses). Beside them,
    in the same rounds, the same engine code in this process with no Triton (its decode passes' rate). Goals:
-   end to end at ``--chats`` at least 0.8x the engine alone, and at least 8x one conversation.
+   end to end at ``--chats`` at least 0.8x the engine alone, and at least 8x one conversation. With the engine
+   alone, bench/chat_compile.py's table too: the decode pass compiled (``torch.compile``) against eager, at 1 and
+   ``--chats`` rows.
    The CPU each process spends per 1,000 tokens at ``--chats`` (the Python stub, tritonserver, this client)
    says where the difference goes; it is read from /proc, for a server on this machine.
 3. **Time to first token at turn ``--turns``.** A conversation on `chat` (history on the server: each
@@ -49,6 +51,8 @@ import attrs
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import peer_llamacpp  # bench/peer_llamacpp.py, for --peer (a script's own folder is sys.path[0])
 
 from triton_npu_client import Client, LocalTriton, Model
 
@@ -593,8 +597,9 @@ def print_engine_alone(args: argparse.Namespace, res: Results) -> None:
 def checkpoint_repository(work: Path, checkpoint: Path) -> Path:
     """A repository serving ``checkpoint`` as `chat` and `chat_stateless`, configured as the packaged pair.
 
-    Both entries come from ``write_chat_model`` with the packaged `chat` model's max_ctx and KV-cache budget; the
-    twin then loses sequence batching and prefix sharing, as server_models/chat_stateless differs from chat.
+    Both entries come from ``write_chat_model`` with the packaged `chat` model's max_ctx, KV-cache budget and one
+    torch thread (the engine alone's; a generated entry's own default is "auto"); the twin then loses sequence
+    batching and prefix sharing, as server_models/chat_stateless differs from chat.
     """
     import re
 
@@ -603,7 +608,8 @@ def checkpoint_repository(work: Path, checkpoint: Path) -> Path:
     repository = work / "repository"
     for name, budget in (("chat", 512), ("chat_stateless", 256)):
         write_chat_model(
-            repository, checkpoint, name=name, max_ctx=MAX_CTX, dtype="float32", device="cpu", max_cache_mb=budget
+            repository, checkpoint, name=name, max_ctx=MAX_CTX, dtype="float32", device="cpu", max_cache_mb=budget,
+            cpu_threads=1,
         )
     twin = repository / "chat_stateless" / "config.pbtxt"
     text, removed = re.subn(r"^sequence_batching \{\n.*?^\}\n", "", twin.read_text(), flags=re.MULTILINE | re.DOTALL)
@@ -624,8 +630,9 @@ async def main(args: argparse.Namespace) -> int:
 
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-chat-")))
             if args.checkpoint is None:
-                CHECKPOINT = chat_cache.write_tiny_llama(work / "tiny_llama", "demo")
-                SUBJECT = "a tiny random Llama (bench/chat_cache.py's, the GPT-2 demo's shape: 4 layers of 192)"
+                CHECKPOINT = chat_cache.write_tiny_llama(work / "tiny_llama", args.llama_shape)
+                shape = chat_cache.describe_shape(args.llama_shape)
+                SUBJECT = f"a random Llama (bench/chat_cache.py's {args.llama_shape!r} shape: {shape})"
             else:
                 CHECKPOINT = Path(args.checkpoint)  # made absolute by parse()
                 SUBJECT = str(CHECKPOINT)
@@ -649,10 +656,19 @@ async def main(args: argparse.Namespace) -> int:
     print_throughput(args, res)
     print_ttft(args, res)
     print_engine_alone(args, res)
+    if not args.no_in_process and not args.no_compile:
+        import chat_compile  # bench/chat_compile.py: the compiled decode pass against eager, in this process
+
+        rows = sorted({1, args.chats})
+        passes, rounds = (5, 1) if args.quick else (30, args.repeats)
+        chat_compile.print_table(CHECKPOINT, chat_compile.measure(CHECKPOINT, rows, 300, passes, rounds), 300)
     if not args.no_cache:
         import chat_cache  # bench/chat_cache.py: the paged KV cache's tables, on a server of its own
 
         await chat_cache.sections(chat_cache.parse(["--quick"] if args.quick else ["--rounds", str(args.repeats)]))
+    if args.peer is not None:
+        # Servers of its own (ours at each --threads, llama-server beside it); this module's functions measure ours.
+        await peer_llamacpp.compare(args, sys.modules[__name__])
     print(
         f"Run: `{' '.join(['.venv/bin/python', 'bench/chat.py', *sys.argv[1:]])}` on {platform.node()} "
         f"({platform.processor() or platform.machine()}), Python {platform.python_version()}, "
@@ -674,13 +690,36 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="a smoke run: --repeats 1 --tokens 8 --chats 4 --turns 3")
     p.add_argument("--no-in-process", action="store_true", help="skip the engine alone (its table and ratios)")
+    p.add_argument(
+        "--no-compile", action="store_true",
+        help="skip the compiled decode pass's table (bench/chat_compile.py: it compiles a graph per batch size)",
+    )  # fmt: skip
     p.add_argument("--no-cache", action="store_true", help="skip bench/chat_cache.py's tables")
     p.add_argument(
         "--checkpoint", default=None,
         help="measure this checkpoint folder (served as chat and chat_stateless, configured as the packaged pair)",
     )
     p.add_argument("--llama", action="store_true", help="measure a tiny random Llama of the GPT-2 demo's shape")
+    import chat_cache  # bench/chat_cache.py: the random Llama's shapes
+
+    p.add_argument(
+        "--llama-shape", choices=sorted(chat_cache.LLAMA_SHAPES), default=None,
+        help="--llama's shape (bench/chat_cache.py's LLAMA_SHAPES): demo (default), tests or smollm2-135m",
+    )  # fmt: skip
+    p.add_argument(
+        "--peer", type=peer_llamacpp.parse_peer, default=None, metavar="llama-server=PATH",
+        help="then compare with llama.cpp's llama-server (that binary) on the same checkpoint: bench/peer_llamacpp.py",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=peer_llamacpp.parse_threads, default=(1, 2), metavar="N[,N...]",
+        help="--peer's thread counts: llama-server --threads/--threads-batch and our cpu_threads (default 1,2)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.llama_shape is not None and not args.llama:
+        p.error("--llama-shape needs --llama")
+    args.llama_shape = args.llama_shape or "demo"
+    if args.peer is not None and args.url is not None:
+        p.error("--peer starts servers of its own (ours with cpu_threads set): it cannot use --url")
     if args.checkpoint is not None:
         args.checkpoint = str(Path(args.checkpoint).resolve())
     defaults = {"repeats": (3, 1), "tokens": (64, 8), "chats": (32, 4), "turns": (10, 3)}

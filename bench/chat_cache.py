@@ -125,8 +125,11 @@ def set_parameters(config: Path, **values: str) -> None:
     config.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-# The tiny Llama's shapes: "demo" as wide and deep as the GPT-2 demo (4 layers of 192, 4 heads; 2 key/value heads,
-# as Llama's grouped-query attention has), "tests" the test helpers' default (2 layers of 64).
+# The random Llama's shapes: "demo" as wide and deep as the GPT-2 demo (4 layers of 192, 4 heads; 2 key/value heads,
+# as Llama's grouped-query attention has), "tests" the test helpers' default (2 layers of 64), "smollm2-135m"
+# SmolLM2-135M's (HuggingFaceTB/SmolLM2-135M's config.json: 30 layers of 576, 9 heads over 3 key/value heads, tied
+# embeddings, rope_theta 100,000, its 49,152-token vocabulary; random weights, a random BPE of that size).
+# "vocab_size" is the tokenizer's (tests/_checkpoints.py's tokenizer_vocab); the rest go to the transformers config.
 LLAMA_SHAPES: dict[str, dict[str, Any]] = {
     "demo": {
         "hidden_size": 192,
@@ -136,18 +139,51 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
     },
     "tests": {},
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "tie_word_embeddings": True,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+    },
 }
 
 
+def describe_shape(shape: str) -> str:
+    """``shape`` in words: layers, width, heads, vocabulary."""
+    config = {**_TESTS_DEFAULTS, **LLAMA_SHAPES[shape]}
+    return (
+        f"{config['num_hidden_layers']} layers of {config['hidden_size']}, {config['num_attention_heads']} heads "
+        f"({config['num_key_value_heads']} key/value), vocabulary {config['vocab_size']:,}"
+    )
+
+
+# tests/_checkpoints.py's defaults, for describe_shape (its vocabulary: the tokenizer its corpus trains).
+_TESTS_DEFAULTS = {
+    "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 400,
+}  # fmt: skip
+
+
 def write_tiny_llama(folder: Path, shape: str = "demo") -> Path:
-    """tests/_checkpoints.py's tiny random Llama (Llama 3 template) with 4,096 positions, of ``shape``."""
+    """tests/_checkpoints.py's random Llama (Llama 3 template) with 4,096 positions, of ``shape``."""
     from transformers.utils import logging
 
     from tests._checkpoints import write_tiny_llama as write
 
     disable: Any = logging.disable_progress_bar  # untyped in transformers
     disable()
-    return write(folder, "llama", max_position_embeddings=4096, **LLAMA_SHAPES[shape])
+    settings = dict(LLAMA_SHAPES[shape])
+    vocab = settings.pop("vocab_size", None)
+    extra = {} if vocab is None else {"tokenizer_vocab": vocab}
+    written = write(folder, "llama", max_position_embeddings=4096, **extra, **settings)
+    found = json.loads((written / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    if vocab is not None and found != vocab:
+        raise RuntimeError(f"{shape}: the random tokenizer reached {found:,} tokens, not {vocab:,}")
+    return written
 
 
 def prepare(repository: Path, work: Path, *, cache_mb: float, max_sequences: int, llama_shape: str) -> list[Subject]:
@@ -536,7 +572,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--llama-shape",
         choices=sorted(LLAMA_SHAPES),
         default="demo",
-        help="the tiny Llama's shape: demo (the GPT-2 demo's width and depth; default) or tests (2 layers of 64)",
+        help="the tiny Llama's shape: demo (the GPT-2 demo's width and depth; default), tests (2 layers of 64) or "
+        "smollm2-135m (SmolLM2-135M's: 30 layers of 576, a 49,152-token vocabulary)",
     )
     p.add_argument(
         "--max-sequences", type=int, default=1024,

@@ -103,6 +103,11 @@ _CORPUS = (
 )
 
 
+# The default vocabulary; the built-in corpus alone runs out of merges at about 540, so above this _filler adds text
+# (and the default's files stay what they always were).
+_CORPUS_VOCAB = 400
+
+
 def default_chat_template(family: str) -> str:
     """The family's template from tests/_templates.py when that module is there, else a minimal one of its shape."""
     name = SPECIALS[family].template
@@ -114,6 +119,22 @@ def default_chat_template(family: str) -> str:
         return _FALLBACK_TEMPLATES[name]
     value = getattr(templates, name, None)
     return value if isinstance(value, str) else _FALLBACK_TEMPLATES[name]
+
+
+def _filler(vocab_size: int) -> list[str]:
+    """Lines of seeded random lowercase words, enough for a BPE of ``vocab_size`` (the built-in corpus runs out at
+    about 540 tokens; a benchmark of a real model's shape wants its vocabulary, e.g. SmolLM2's 49,152)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    distinct = 3 * vocab_size
+    lengths = rng.integers(2, 10, size=distinct)
+    letters = rng.integers(ord("a"), ord("z") + 1, size=int(lengths.sum()), dtype=np.uint8).tobytes().decode("ascii")
+    ends = np.cumsum(lengths).tolist()
+    words = [letters[end - n : end] for end, n in zip(ends, lengths.tolist(), strict=True)]
+    # Zipf-distributed reuse: BPE merges only pairs that repeat, and a long tail of rarer words gives it new ones.
+    picks = (np.minimum(rng.zipf(1.2, size=12 * vocab_size), distinct) - 1).tolist()
+    return [" ".join(words[i] for i in picks[at : at + 64]) for at in range(0, len(picks), 64)]
 
 
 def _tokenizer(specials: Specials, vocab_size: int) -> Any:
@@ -128,7 +149,7 @@ def _tokenizer(specials: Specials, vocab_size: int) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(list(_CORPUS) * 20, trainer)
+    tok.train_from_iterator(list(_CORPUS) * 20 + (_filler(vocab_size) if vocab_size > _CORPUS_VOCAB else []), trainer)
     if specials.bos is not None:
         bos = specials.bos
         tok.post_processor = processors.TemplateProcessing(
@@ -177,6 +198,7 @@ def write_tiny_llama(
     shards: int = 1,
     dtype: str = "float32",
     legacy_rope: bool = True,
+    tokenizer_vocab: int = _CORPUS_VOCAB,
     **config_overrides: Any,
 ) -> Path:
     """Write a random tiny ``family`` checkpoint (llama, qwen2 or mistral) into ``folder``; return the folder.
@@ -187,7 +209,8 @@ def write_tiny_llama(
     ``config_overrides`` go to the transformers config (``rope_scaling={...}``, ``tie_word_embeddings=True``,
     ``attention_bias=True``, ``hidden_size=...``). ``shards`` > 1 writes that many safetensors files and their
     index; ``dtype`` ("float32", "bfloat16", "float16") is the saved weights' dtype. The same arguments give the
-    same files.
+    same files. ``tokenizer_vocab`` is the BPE's vocabulary (and so the model's): above the default, seeded random
+    words join the training text so that it reaches that size (49,152 for SmolLM2's shape, in a few seconds).
     """
     import torch
     import transformers
@@ -197,7 +220,7 @@ def write_tiny_llama(
     specials = SPECIALS[family]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(specials, vocab_size=400)
+    tok = _tokenizer(specials, vocab_size=tokenizer_vocab)
     tok.save(str(folder / "tokenizer.json"))
     ids = {token: tok.token_to_id(token) for token in specials.tokens}
 

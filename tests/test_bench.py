@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,7 +144,7 @@ def test_chat_bench_quick(triton_server: LocalTriton) -> None:
     """bench/chat.py prints its three server tables and the engine-alone table, with a ratio against each goal."""
     proc = _run(
         ["bench/chat.py", "--url", triton_server.grpc_url, "--repeats", "1", "--tokens", "8", "--chats", "4",
-         "--turns", "3", "--no-cache"],
+         "--turns", "3", "--no-cache", "--no-compile"],
         timeout_s=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -220,3 +221,181 @@ def test_chat_cache_bench_figures_and_verdicts(tmp_path: Path) -> None:
     printed = out.getvalue()
     assert "demo: paged vs the slot design: **3.6x** (goal >= 4x: NOT met)" in printed
     assert "demo: shared vs not: **4.0x faster** (goal >= 5x: NOT met); by the stub's CPU: 4.0x" in printed
+
+
+def _bench_module(name: str) -> object:
+    sys.path.insert(0, str(ROOT / "bench"))  # bench/ is a folder of scripts, not a package
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_peer_options_parse_and_refuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/chat.py --peer llama-server=PATH --threads N,M: the path made absolute, the counts a tuple; a wrong
+    kind, an empty path, a bad count, --peer with --url and --llama-shape without --llama are refused."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # parse() imports bench/chat_cache.py, as the script does
+    peer: Any = _bench_module("peer_llamacpp")
+    chat: Any = _bench_module("chat")
+    args = chat.parse(["--llama", "--llama-shape", "smollm2-135m", "--peer", "llama-server=bin/llama-server",
+                       "--threads", "2,1"])  # fmt: skip
+    assert args.peer == peer.Peer("llama-server", Path.cwd() / "bin" / "llama-server")
+    assert args.threads == (2, 1)
+    assert args.llama_shape == "smollm2-135m"
+    plain = chat.parse([])
+    assert plain.peer is None
+    assert plain.threads == (1, 2)
+    assert plain.llama_shape == "demo"
+    for bad in ("vllm=/x", "llama-server", "llama-server=", "llama-server= "):
+        with pytest.raises(argparse.ArgumentTypeError):
+            peer.parse_peer(bad)
+    for bad in ("0", "1,1", "a", "", "1,-2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            peer.parse_threads(bad)
+    for argv in (["--peer", "llama-server=/x", "--url", "127.0.0.1:1"], ["--llama-shape", "demo"]):
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            chat.parse(argv)
+
+
+def _fake_llama_cpp(root: Path) -> Path:
+    """A folder shaped as llama.cpp's tree where the pre-tokenizer shim looks: conversion/base.py's TextModel whose
+    get_vocab_base_pre behaves as the real one (a name for a known hash, NotImplementedError for an unknown one),
+    and a converter script that prints what it returns for the tokenizer named by the checkpoint folder."""
+    (root / "conversion").mkdir(parents=True)
+    (root / "gguf-py").mkdir()
+    (root / "build" / "bin").mkdir(parents=True)
+    (root / "build" / "bin" / "llama-server").write_text("")
+    (root / "conversion" / "__init__.py").write_text("")
+    (root / "conversion" / "base.py").write_text(
+        "class TextModel:\n"
+        "    def get_vocab_base_pre(self, tokenizer):\n"
+        "        if tokenizer == 'known':\n"
+        "            return 'llama-bpe'\n"
+        "        if tokenizer == 'other':\n"
+        "            raise NotImplementedError('something else')\n"
+        "        raise NotImplementedError('BPE pre-tokenizer was not recognized - update get_vocab_base_pre()')\n"
+    )
+    (root / "convert_hf_to_gguf.py").write_text(
+        "import sys\nfrom pathlib import Path\nfrom conversion.base import TextModel\n"
+        "args = sys.argv[1:]\n"
+        "pre = TextModel().get_vocab_base_pre(Path(args[0]).name)\n"
+        "Path(args[args.index('--outfile') + 1]).write_text(f'{pre} {args[1:args.index(\"--outfile\")]}')\n"
+    )
+    return root / "build" / "bin" / "llama-server"
+
+
+def test_peer_converter_command_registers_an_unknown_pre_tokenizer(tmp_path: Path) -> None:
+    """The converter is found above the llama-server binary and run through the shim: an unrecognised
+    pre-tokenizer becomes gpt-2, a known one stays the converter's, any other refusal still fails; f32 asked."""
+    peer: Any = _bench_module("peer_llamacpp")
+    server = _fake_llama_cpp(tmp_path / "llama.cpp")
+    converter = peer.find_converter(server)
+    assert converter == tmp_path / "llama.cpp" / "convert_hf_to_gguf.py"
+    with pytest.raises(FileNotFoundError):
+        peer.find_converter(tmp_path / "elsewhere" / "llama-server")
+    env = peer.converter_env(converter, {"PYTHONPATH": "/somewhere/else", "HOME": "/root"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "llama.cpp" / "gguf-py"), "/somewhere/else"]
+    results = {}
+    for name in ("random", "known", "other"):
+        out = tmp_path / f"{name}.gguf"
+        command = peer.converter_command(converter, tmp_path / name, out)
+        assert command[:2] == [sys.executable, "-c"]
+        assert command[3:5] == [str(converter), "gpt-2"]
+        proc = subprocess.run(command, env=peer.converter_env(converter), capture_output=True, text=True, check=False)
+        results[name] = (proc.returncode, out.read_text() if out.exists() else proc.stderr)
+    assert results["random"] == (0, "gpt-2 ['--outtype', 'f32']")
+    assert results["known"] == (0, "llama-bpe ['--outtype', 'f32']")
+    assert results["other"][0] != 0
+    assert "NotImplementedError: something else" in results["other"][1]
+
+
+def test_peer_server_command() -> None:
+    """llama-server on loopback, a slot per conversation of bench/chat.py's MAX_CTX each, the threads for both
+    phases, the KV cache float32; --no-webui only where the binary has it."""
+    peer: Any = _bench_module("peer_llamacpp")
+    chat: Any = _bench_module("chat")
+    command = peer.server_command(Path("/b/llama-server"), Path("/m.gguf"), port=8123, slots=32, threads=2)
+    # Each option with its value; a bare flag (followed by another option or nothing) maps to "".
+    flags = {
+        word: (command[i + 1] if i + 1 < len(command) and not command[i + 1].startswith("--") else "")
+        for i, word in enumerate(command)
+        if word.startswith("--")
+    }
+    assert command[0] == "/b/llama-server"
+    assert flags["--host"] == "127.0.0.1"
+    assert flags["--parallel"] == "32"
+    assert int(flags["--ctx-size"]) == 32 * chat.MAX_CTX == 32 * peer.CTX_PER_CONVERSATION
+    assert flags["--threads"] == flags["--threads-batch"] == "2"
+    assert flags["--cache-type-k"] == flags["--cache-type-v"] == "f32"
+    assert flags["--cont-batching"] == flags["--no-webui"] == ""
+    assert "--no-webui" not in peer.server_command(
+        Path("/b"), Path("/m"), port=1, slots=1, threads=1, no_webui=False
+    )
+
+
+def test_peer_table_ratios_goals_and_verdicts() -> None:
+    """The table divides ours by llama.cpp's medians, holds each to issue 23's goal for its shape and thread count
+    (latency <= 1.0x on SmolLM2's shape, <= 1.5x on the tiny ones; 32 conversations >= 1.5x at one thread, >= 1.0x
+    at two) and says met or NOT met; agreement counts the leading tokens that spell ours; a too long conversation
+    loses its oldest messages as on our server."""
+    peer: Any = _bench_module("peer_llamacpp")
+    assert peer.goals("smollm2-135m", 1) == peer.Goals(latency=1.0, throughput=1.5)
+    assert peer.goals("demo", 2) == peer.Goals(latency=1.5, throughput=1.0)
+    assert peer.goals(None, 2).latency == 1.0
+    ours = peer.Side(
+        ms_per_token=[12.0, 11.0, 13.0], one_tokens_per_s=[80.0], ttft_first_ms=[10.0], ttft_turn_ms=[30.0],
+        many_tokens_per_s=[300.0], cpu_per_1k=[2.0],
+    )  # fmt: skip
+    theirs = peer.Side(
+        ms_per_token=[10.0, 10.0, 10.0], one_tokens_per_s=[100.0], ttft_first_ms=[20.0], ttft_turn_ms=[20.0],
+        many_tokens_per_s=[250.0], cpu_per_1k=[1.0],
+    )  # fmt: skip
+    res = [peer.Comparison(1, ours, theirs), peer.Comparison(2, ours, theirs)]
+    rows = {
+        (cells[0], cells[1]): cells[2:]
+        for line in peer.table(res, "smollm2-135m", 32, 10).splitlines()[2:]
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    assert rows[("1", "one conversation: ms per token")] == [
+        "12.00 (12.00, 11.00, 13.00)", "10.00 (10.00, 10.00, 10.00)", "**1.20x**", "<= 1.0x", "NOT met"
+    ]
+    assert rows[("1", "TTFT, a short first turn (ms)")][2:] == ["**0.50x**", "<= 1.0x", "met"]
+    assert rows[("1", "TTFT at turn 10, history kept (ms)")][2:] == ["**1.50x**", "<= 1.0x", "NOT met"]
+    assert rows[("1", "32 conversations: tokens/s")][2:] == ["**1.20x**", ">= 1.5x", "NOT met"]
+    assert rows[("2", "32 conversations: tokens/s")][2:] == ["**1.20x**", ">= 1.0x", "met"]
+    assert rows[("2", "32 conversations: server CPU-s per 1,000 tokens")][2:] == ["**2.00x**", "-", "-"]
+    tiny = peer.table(res[:1], "demo", 32, 10)
+    assert "| 1 | one conversation: ms per token | 12.00 (12.00, 11.00, 13.00) | 10.00 (10.00, 10.00, 10.00) | " \
+        "**1.20x** | <= 1.5x | met |" in tiny
+    assert peer.verdict(float("nan"), 1.0, at_most=True) == "NOT met"
+    # Context overflow as ours: the fewest oldest messages go, the system message stays, a user message leads.
+    def render(messages: list[tuple[str, str]]) -> list[int]:
+        return [0] * sum(len(text) for _, text in messages)
+
+    talk = [("system", "s" * 10), ("user", "u" * 30), ("assistant", "a" * 30), ("user", "v" * 20)]
+    assert peer.fit(talk, 10, render, 100) == talk
+    assert peer.fit(talk, 11, render, 100) == [talk[0], talk[3]]  # the assistant reply cannot lead: both go
+    with pytest.raises(RuntimeError):
+        peer.fit(talk, 71, render, 100)
+    spell = {1: b"ab", 2: b"c", 3: b"x"}.__getitem__
+    assert peer.agreeing(b"abcd", [1, 2, 3], lambda ids: b"".join(spell(i) for i in ids)) == 2
+    assert peer.agreeing(b"", [1], lambda ids: b"".join(spell(i) for i in ids)) == 0
+
+
+def test_random_llama_reaches_a_wanted_vocabulary(tmp_path: Path) -> None:
+    """tests/_checkpoints.py's tokenizer_vocab: above its corpus' merges, seeded filler text gets the BPE (and the
+    model's vocab_size) to exactly the size asked; the SmolLM2 shape asks bench/chat_cache.py for 49,152."""
+    from _checkpoints import write_tiny_llama
+    from tokenizers import Tokenizer
+
+    folder = write_tiny_llama(tmp_path / "big", tokenizer_vocab=2000)
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == 2000
+    assert Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size() == 2000
+    small = write_tiny_llama(tmp_path / "small")
+    assert json.loads((small / "config.json").read_text())["vocab_size"] == 400
+    cc: Any = _bench_module("chat_cache")
+    assert cc.LLAMA_SHAPES["smollm2-135m"]["vocab_size"] == 49152
+    assert cc.describe_shape("smollm2-135m") == "30 layers of 576, 9 heads (3 key/value), vocabulary 49,152"
+    assert cc.describe_shape("demo") == "4 layers of 192, 4 heads (2 key/value), vocabulary 400"
