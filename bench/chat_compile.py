@@ -98,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=50, help="passes per timing (default 50)")
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds (default 3)")
     args = p.parse_args(argv)
+    from triton_npu_client.server._device import keep_freed_memory
+
+    # As the chat model does when it loads; mallopt is not thread-safe, so here, before any other thread exists.
+    keep_freed_memory()
     try:
         rows = [int(x) for x in args.rows.split(",")]
     except ValueError:

@@ -284,6 +284,8 @@ def keep_freed_memory() -> bool:
     32 conversations, 0.03-0.08 CPU-s per 1,000 tokens in the kernel (docs/chat.md, "Where the stub's time goes"). Fixed
     thresholds make it the same in every process: blocks up to 32 MiB come from the heap, and a heap keeps up to 64
     MiB free before it is trimmed. The process holds its peak working set instead of giving it back between passes.
+    ``mallopt`` is not thread-safe: call it before threads that allocate run (the chat model does, while it loads;
+    called from the decode thread under load it corrupted the stub's heap).
     """
     name = ctypes.util.find_library("c")
     if name is None:

@@ -25,7 +25,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from .._device import keep_freed_memory
 from ._attention import Attention, write_index
 from ._decoders import Decoder, forward
 from ._sampling import SamplingFlags, sample
@@ -153,12 +152,13 @@ class ModelRunner:
         self.decode_passes = 0
 
     def enter_thread(self) -> None:
-        """Set up the process for device work; the thread that runs passes calls it once.
+        """Set up the calling thread for device work; the thread that runs passes calls it once.
 
-        A pass's temporaries (gathered histories, scores) are then reused from the heap, not mapped afresh each pass
-        (``_device.keep_freed_memory``): process-wide, so an in-process benchmark measures what the stub runs.
+        Nothing to do on a CPU today (flush-to-zero is set around each pass). glibc's malloc thresholds
+        (``_device.keep_freed_memory``) are *not* set here: ``mallopt`` is not thread-safe, and called from the decode
+        thread while the stub's other threads allocate it corrupted the heap (a stub died of SIGSEGV in libc under
+        the suite). The chat model sets them while it loads, before its threads start; a benchmark at its start.
         """
-        keep_freed_memory()
 
     # -- prefill --------------------------------------------------------------------------------------------
 
