@@ -32,7 +32,6 @@ def make_runner(model: Any, rows: int, history: int, mode: str) -> tuple[Any, An
     blocks_each = -(-(history + 1) // 16)
     cache = PagedKVCache.for_model(model, num_blocks=rows * blocks_each + 1, block_size=16)
     runner = ModelRunner(model, cache, slots=rows, max_ctx=history + 16, vocab=model.vocab_size, compile=mode)
-    runner.enter_thread()
     for slot in range(rows):
         table = cache.new_table()
         cache.reserve(table, 0, history + 1)

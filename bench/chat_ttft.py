@@ -61,20 +61,9 @@ from triton_npu_client.server._timing import TRACE_ENV
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "server_models" / "chat" / "demo_gpt2"
 SYSTEM = "You are Emma Woodhouse, answering a friend at Hartfield."
-QUESTIONS = [
-    "Where are you going this morning?",
-    "What did your sister say about the letter?",
-    "Shall we walk to the village after breakfast?",
-    "Who is coming to dinner on Thursday?",
-    "Have you read the new novel from London?",
-    "Why was Mr. Knightley so grave yesterday?",
-    "Do you think it will rain before the evening?",
-    "What will you wear to the ball?",
-    "How long will your cousin stay with us?",
-    "Is it true that the Westons are to be married?",
-    "What news from the vicarage?",
-    "Can you play the pianoforte?",
-]
+# The questions bench/chat.py asks (its own list: both benchmarks time the same conversations).
+from chat import QUESTIONS  # noqa: E402
+
 # (label, server mark it starts at, server mark it ends at); "send" and "first" are the client's.
 STAGES = [
     ("client → execute", "send", "execute"),

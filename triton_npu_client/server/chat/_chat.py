@@ -691,7 +691,6 @@ class ChatEngine:
         ident = threading.get_ident()
         if self._thread_ready != ident:
             self._thread_ready = ident
-            self.runner.enter_thread()
             if self._on_thread is not None:
                 self._on_thread()
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from ._attention import Attention, write_index
 from ._decoders import Decoder, forward
-from ._sampling import SamplingFlags, sample
+from ._sampling import GREEDY_BELOW, SamplingFlags, sample
 
 if TYPE_CHECKING:
     import torch
@@ -62,8 +62,6 @@ class RowSampling:
 
     @property
     def greedy(self) -> bool:
-        from ._sampling import GREEDY_BELOW
-
         return self.temperature < GREEDY_BELOW
 
     @property
@@ -150,15 +148,6 @@ class ModelRunner:
         # Counters, for tests and logs.
         self.prefill_forwards = 0
         self.decode_passes = 0
-
-    def enter_thread(self) -> None:
-        """Set up the calling thread for device work; the thread that runs passes calls it once.
-
-        Nothing to do on a CPU today (flush-to-zero is set around each pass). glibc's malloc thresholds
-        (``_device.keep_freed_memory``) are *not* set here: ``mallopt`` is not thread-safe, and called from the decode
-        thread while the stub's other threads allocate it corrupted the heap (a stub died of SIGSEGV in libc under
-        the suite). The chat model sets them while it loads, before its threads start; a benchmark at its start.
-        """
 
     # -- prefill --------------------------------------------------------------------------------------------
 
