@@ -26,7 +26,8 @@ RANK = {
     "_sessions": 4,
     "_client": 5,
     "_jobs": 6,
-    "cli": 7,
+    "_gateway": 7,  # the OpenAI HTTP API, on the public SDK (client, chats, scoring)
+    "cli": 8,
     "__init__": 9,
     "__main__": 9,
 }

@@ -8,8 +8,13 @@ it writes. A block without an entry in ``EXPECTED`` fails the suite: a new block
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
-from collections.abc import Callable
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -41,6 +46,7 @@ class Expected:
 
     check: Callable[[list[str], Path], None]
     models: tuple[str, ...] = ()
+    gateway: bool = False  # the block talks to `triton-npu openai`, started here on the session's server
 
 
 def _tour(lines: list[str], _cwd: Path) -> None:
@@ -79,6 +85,14 @@ def _fleet(lines: list[str], _cwd: Path) -> None:
     assert all(re.match(r"grpc://\S+ healthy \d+ requests$", line) for line in lines[1:]), lines
 
 
+def _openai(lines: list[str], _cwd: Path) -> None:
+    assert len(lines) == 2
+    assert lines[0]  # the second reply's text
+    floats = lines[1].strip("[]").split(", ")
+    assert len(floats) == 3
+    assert all(-1 <= float(x) <= 1 for x in floats)  # a unit vector's first three values
+
+
 def _local(lines: list[str], _cwd: Path) -> None:
     assert len(lines) == 1
     assert re.fullmatch(r"grpc://127\.0\.0\.1:\d+ http://127\.0\.0\.1:\d+", lines[0])
@@ -90,6 +104,7 @@ EXPECTED: dict[str, Expected] = {
     "Chat sessions": Expected(_chat),
     "Batch scoring": Expected(_scoring),
     "Several replicas, TLS, traces": Expected(_fleet),
+    "The OpenAI API": Expected(_openai, gateway=True),
     "A local Triton in one command": Expected(_local, models=("scale_fp32",)),
 }
 
@@ -110,6 +125,30 @@ def test_block_runs_as_written(heading: str, triton_server: LocalTriton, tmp_pat
     script.write_text(block)
     url = triton_server.grpc_url
     env = {"TRITON_URL": url, "TRITON_URLS": f"{url},{url.replace('127.0.0.1', 'localhost')}"}
-    code, out, err = run_script(script, tmp_path, expected.models, env=env)
+    with contextlib.ExitStack() as stack:
+        if expected.gateway:
+            env["OPENAI_BASE_URL"] = stack.enter_context(_gateway(url))
+        code, out, err = run_script(script, tmp_path, expected.models, env=env)
     assert code == 0, err[-3000:]
     expected.check(out.splitlines(), tmp_path)
+
+
+@contextlib.contextmanager
+def _gateway(url: str) -> Iterator[str]:
+    """``triton-npu openai --url URL`` on a free port, as a user starts it; its base URL, read from its banner."""
+    command = [sys.executable, "-m", "triton_npu_client", "openai", "--url", url, "--port", "0", "--store", "memory"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            banner = proc.stdout.readline()
+            assert banner.startswith("OpenAI API on "), banner
+            yield banner.split()[-1]
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=30)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()

@@ -24,7 +24,7 @@ from .._errors import (
 )
 from .._fleet import DNS_PREFIX, FleetOptions, FleetTransport, Place, ReplicaStatus, Resolver, parse_endpoint
 from .._model import ModelSpec, Plans
-from .._sessions import ChatMessage, ChatSession, SequenceSession, defer_chat, defer_sequence
+from .._sessions import ChatMessage, ChatSession, ChatState, SequenceSession, defer_chat, defer_sequence
 from .._transport import DEFAULT_HTTP_CONNECTIONS, GrpcTransport, HttpTransport, TLSConfig, Transport
 from ._model import Model
 
@@ -680,6 +680,7 @@ class Client:
         sequence_id: int | str | None = None,
         timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
         replay_on_loss: bool = False,
+        resume: ChatState | None = None,
     ) -> ChatSession:
         """``async with client.chat(name, system=...) as chat:``: the chat ``model.chat(...)`` gives, by name.
 
@@ -687,7 +688,9 @@ class Client:
         The options are those of ``model.chat()`` (:func:`triton_npu_client.open_chat`), checked here; nothing is
         sent here: the model is fetched (cached by the client) when the chat is entered or sends its first turn.
         A chat model is decoupled, which Triton serves over the gRPC stream only: an HTTP client is refused here.
-        To replay a conversation into a fresh chat: ``client.chat(name, history=old.messages)``.
+        To replay a conversation into a fresh chat: ``client.chat(name, history=old.messages)``. To go on with one the
+        server still holds, sending only the next message (a chat's :attr:`~ChatSession.state`, perhaps saved by
+        another process): ``client.chat(name, resume=state)``.
         """
         self._check_open()
         if not self._transport.can_stream:
@@ -704,5 +707,5 @@ class Client:
             name, fetch, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
             stream_interval_ms=stream_interval_ms, sequence_id=sequence_id, timeout_s=timeout_s,
-            replay_on_loss=replay_on_loss,
+            replay_on_loss=replay_on_loss, resume=resume,
         )

@@ -8,7 +8,7 @@ from typing import Any
 from .._call import USE_CLIENT_DEFAULT, Caller, UseClientDefault
 from .._errors import UsageError
 from .._model import InputsArg, ModelSpec, Plans, build_request
-from .._sessions import ChatMessage, ChatSession, SequenceSession, open_chat, open_sequence
+from .._sessions import ChatMessage, ChatSession, ChatState, SequenceSession, open_chat, open_sequence
 from .._wire import InferRequest, InferResult
 
 __all__ = ["Model"]
@@ -212,6 +212,7 @@ class Model:
         sequence_id: int | str | None = None,
         timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
         replay_on_loss: bool = False,
+        resume: ChatState | None = None,
     ) -> ChatSession:
         """A chat on this chat model (decoupled, sequence batching; gRPC only): ``async with model.chat() as chat:``.
 
@@ -220,5 +221,5 @@ class Model:
         return open_chat(
             self, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=seed, stop=stop, stream_interval_ms=stream_interval_ms,
-            sequence_id=sequence_id, timeout_s=timeout_s, replay_on_loss=replay_on_loss,
+            sequence_id=sequence_id, timeout_s=timeout_s, replay_on_loss=replay_on_loss, resume=resume,
         )

@@ -3,7 +3,7 @@
 Their errors (``ChatOptionError``, ``SequenceIdleWarning``, ...) live in the one tree, ``_errors``.
 """
 
-from ._chat import ChatMessage, ChatOptions, ChatReply, ChatSession, defer_chat, open_chat
+from ._chat import ChatMessage, ChatOptions, ChatReply, ChatSession, ChatState, defer_chat, open_chat
 from ._sequence import SequenceSession, defer_sequence, new_sequence_id, open_sequence, validate_sequence_id
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "ChatOptions",
     "ChatReply",
     "ChatSession",
+    "ChatState",
     "SequenceSession",
     "defer_chat",
     "defer_sequence",

@@ -45,6 +45,15 @@
 - **Closing** the chat (leaving its block) sends END with no inputs, once: the server frees the conversation.
   A turn still streaming (read by another task, or left without closing its loop) is cancelled first and END
   leaves at once; its reader gets :class:`SequenceClosedError`.
+- **Resuming** (a gateway across its restarts). :attr:`ChatSession.state` is a :class:`ChatState`: the id, the
+  committed messages, the digest and the counts, JSON-able (``to_dict``/``from_dict``). :meth:`ChatSession.detach`
+  closes the chat here without END (the server keeps the conversation until the model's idle timeout), and
+  ``client.chat(name, resume=state)``, in any process, goes on with it: no START, the first turn sends only the
+  new user message and the state's digest. The server checks that digest as for any turn: equal, the turn
+  proceeds; equal to the one before its last turn (the state is one turn behind: a turn ended there after the
+  state was saved), it undoes that turn and proceeds from the state; anything else, or a conversation it no longer
+  holds, is :class:`SequenceLost`, and ``replay_on_loss`` replays ``state.messages`` into a fresh sequence. Never
+  are two histories mixed; but one state's conversation serves one chat at a time (a lost one ENDs its id).
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ import codecs
 import contextlib
 import math
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self, cast
 
@@ -77,13 +86,21 @@ from .._trace import Span
 from .._trace import start as start_span
 from .._wire import InferResult
 from ..server._digest import EMPTY, history_digest
-from ._sequence import DEFAULT_END_TIMEOUT_S, SequenceSession, SessionTarget, open_sequence
+from ._sequence import (
+    DEFAULT_END_TIMEOUT_S,
+    MAX_INT_ID,
+    MAX_STR_ID_CHARS,
+    SequenceSession,
+    SessionTarget,
+    open_sequence,
+)
 
 __all__ = [
     "ChatMessage",
     "ChatOptions",
     "ChatReply",
     "ChatSession",
+    "ChatState",
     "PieceDecoder",
     "defer_chat",
     "open_chat",
@@ -260,6 +277,8 @@ class ChatReply:
     reached) or ``"context"`` (the conversation filled the model's context). ``tokens``: generated this turn;
     ``prompt_tokens``: prefilled this turn; ``context_tokens``: held by the conversation afterwards;
     ``dropped``: messages the server dropped from the oldest end of the history to make room.
+    ``input_tokens``: the whole prompt the reply was conditioned on (the history the server held plus what it
+    prefilled: what an API bills as input); 0 from a model that does not report it (a config from before it).
     ``time_to_first_token_s``: from sending to the first text (``None`` for an empty reply);
     ``elapsed_s``: from sending to the last response. Both count from the turn's first send, so for a turn that
     was ``replayed`` (the conversation was lost and replayed into a fresh one: ``replay_on_loss``) they include
@@ -275,6 +294,7 @@ class ChatReply:
     time_to_first_token_s: float | None
     elapsed_s: float
     replayed: bool = False
+    input_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -304,6 +324,137 @@ class PieceDecoder:
         text = self._decoder.decode(b"", final=True)
         self._decoder.reset()
         return text
+
+
+# --- a chat's state, to resume it ----------------------------------------------------------------
+
+_STATE_KEYS: Final = ("model", "sequence_id", "messages", "pinned", "digest", "turns", "context_tokens")
+_HEX: Final = frozenset("0123456789abcdef")
+_DIGEST_MAX_CHARS: Final = 64  # the server's cap on a DIGEST input
+
+
+def _state_error(key: str, expected: str, given: object) -> SequenceUsageError:
+    shown = repr(given) if isinstance(given, int | str | None) and len(repr(given)) <= 80 else type(given).__name__
+    return SequenceUsageError(f"chat state {key!r}: expected {expected}, given {shown}")
+
+
+def _check_state_model(_: object, __: object, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise _state_error("model", "a model name (a non-empty str)", value)
+
+
+def _check_state_id(_: object, __: object, value: Any) -> None:
+    # The model's own rules (an int or a str id?) are checked when the resumed chat reaches it.
+    if isinstance(value, bool) or not (
+        (isinstance(value, int) and 0 < value <= MAX_INT_ID)
+        or (isinstance(value, str) and 0 < len(value) <= MAX_STR_ID_CHARS)
+    ):
+        raise _state_error(
+            "sequence_id", f"an int in 1..2**63-1 or a str of 1..{MAX_STR_ID_CHARS} characters", value
+        )
+
+
+def _to_state_messages(value: Any) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, tuple | list) or not all(isinstance(m, ChatMessage) for m in value):
+        raise ChatMessageError(
+            f"chat state 'messages': expected a sequence of ChatMessage values, given {type(value).__name__}"
+        )
+    return tuple(value)
+
+
+def _check_count(key: str) -> Callable[[object, object, Any], None]:
+    def check(_: object, __: object, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _state_error(key, "an int >= 0", value)
+
+    return check
+
+
+def _check_state_digest(_: object, __: object, value: Any) -> None:
+    if not isinstance(value, str) or len(value) > _DIGEST_MAX_CHARS or not set(value) <= _HEX:
+        raise _state_error("digest", f'a history digest ("" or at most {_DIGEST_MAX_CHARS} hex digits)', value)
+
+
+@attrs.frozen(kw_only=True)
+class ChatState:
+    """What resuming a chat needs (:attr:`ChatSession.state`): ``client.chat(name, resume=state)`` continues the
+    conversation the server still holds, sending only the next user message; its JSON-able form is
+    :meth:`to_dict` / :meth:`from_dict`.
+
+    ``model``: the chat model's name; ``sequence_id``: the conversation's id on the server; ``messages``:
+    :attr:`ChatSession.messages`, the committed conversation (what a replay sends when the server no longer holds
+    it); ``pinned``: how many leading system messages the server never drops; ``digest``: the history digest of
+    the committed turns (``server._digest``; ``""``: nothing committed on that sequence yet, so a resumed chat
+    starts it afresh with ``messages``); ``turns`` and ``context_tokens`` as on the chat.
+    Checked when made: a wrong value raises :class:`ChatMessageError` (``messages``) or
+    :class:`SequenceUsageError` (the others), naming the field.
+    """
+
+    model: str = attrs.field(validator=_check_state_model)
+    sequence_id: int | str = attrs.field(validator=_check_state_id)
+    messages: tuple[ChatMessage, ...] = attrs.field(converter=_to_state_messages)
+    pinned: int = attrs.field(validator=_check_count("pinned"))
+    digest: str = attrs.field(validator=_check_state_digest)
+    turns: int = attrs.field(validator=_check_count("turns"))
+    context_tokens: int = attrs.field(validator=_check_count("context_tokens"))
+
+    def __attrs_post_init__(self) -> None:
+        # The server keeps its pinned messages at the front of the history: system messages, never dropped.
+        if self.pinned > len(self.messages) or any(m.role != "system" for m in self.messages[: self.pinned]):
+            raise _state_error(
+                "pinned", f"the count of leading system messages kept (of {len(self.messages)} messages)", self.pinned
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state as plain JSON values (str, int, lists and dicts): ``json.dumps(state.to_dict())`` stores it.
+
+        An integer ``sequence_id`` may need all 63 bits: a JSON reader that turns numbers into doubles (JavaScript)
+        would corrupt it; Python's ``json`` keeps it exact.
+        """
+        return {
+            "model": self.model,
+            "sequence_id": self.sequence_id,
+            "messages": [{"role": m.role, "text": m.text} for m in self.messages],
+            "pinned": self.pinned,
+            "digest": self.digest,
+            "turns": self.turns,
+            "context_tokens": self.context_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ChatState:
+        """The state :meth:`to_dict` gave. Every key is required and no other is taken (a state from a newer or
+        older form is refused, not half read); each value is checked as the constructor checks it."""
+        if not isinstance(data, Mapping):
+            raise SequenceUsageError(f"a chat state is a mapping (ChatState.to_dict()), given {type(data).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in data]
+        unknown = sorted(str(k) for k in data if k not in _STATE_KEYS)
+        if missing or unknown:
+            raise SequenceUsageError(
+                "chat state: "
+                + "; ".join(
+                    ([f"missing key(s) {', '.join(map(repr, missing))}"] if missing else [])
+                    + ([f"unknown key(s) {', '.join(map(repr, unknown))}"] if unknown else [])
+                )
+            )
+        raw = data["messages"]
+        if not isinstance(raw, list | tuple):
+            raise ChatMessageError(f"chat state 'messages': expected a list of messages, given {type(raw).__name__}")
+        messages: list[ChatMessage] = []
+        for i, item in enumerate(raw):
+            if not isinstance(item, Mapping) or set(item) != {"role", "text"}:
+                raise ChatMessageError(
+                    f"chat state 'messages'[{i}]: expected a {{'role': ..., 'text': ...}} mapping, given "
+                    + (f"keys {sorted(map(str, item))}" if isinstance(item, Mapping) else type(item).__name__)
+                )
+            try:
+                messages.append(ChatMessage(item["role"], item["text"]))
+            except ChatMessageError as err:
+                raise ChatMessageError(f"chat state 'messages'[{i}]: {err.message}") from None
+        return cls(
+            model=data["model"], sequence_id=data["sequence_id"], messages=tuple(messages), pinned=data["pinned"],
+            digest=data["digest"], turns=data["turns"], context_tokens=data["context_tokens"],
+        )
 
 
 # --- the session ---------------------------------------------------------------------------------
@@ -346,6 +497,18 @@ def _check_options_fit(spec: ModelSpec, options: ChatOptions) -> None:
         )
 
 
+def _check_resume_fits(spec: ModelSpec) -> None:
+    """A chat resumes only where each turn's history digest is checked: without it a stale state's turn would be
+    added to whatever history the server holds (a silent mix of two conversations). (The model's name was checked
+    against the state's with the other settings.)"""
+    if spec.input(_DIGEST) is None:
+        raise SequenceUsageError(
+            f"resume: model {spec.name!r} takes no {_DIGEST} input, so it cannot check that it holds the state's "
+            "history; replay it instead (history=state.messages)",
+            model=spec.name,
+        )
+
+
 @attrs.frozen(kw_only=True)
 class _Settings:
     """What a chat takes that is checked without its model: options, the messages to send first, replay."""
@@ -353,6 +516,7 @@ class _Settings:
     options: ChatOptions
     prefix: tuple[ChatMessage, ...]
     replay_on_loss: bool
+    resume: ChatState | None
 
 
 def _settings(
@@ -360,6 +524,8 @@ def _settings(
     *,
     system: str | None,
     history: Iterable[ChatMessage | tuple[str, str]] | None,
+    sequence_id: int | str | None,
+    resume: ChatState | None,
     max_tokens: int | None,
     min_tokens: int | None,
     temperature: float | None,
@@ -379,7 +545,31 @@ def _settings(
     prefix = ((ChatMessage("system", system),) if system is not None else ()) + as_messages(history)
     if not isinstance(replay_on_loss, bool):
         raise ChatOptionError("replay_on_loss", "a bool", replay_on_loss, model=name)
-    return _Settings(options=options, prefix=prefix, replay_on_loss=replay_on_loss)
+    if resume is not None:
+        if not isinstance(resume, ChatState):
+            raise ChatOptionError("resume", "a ChatState (chat.state, ChatState.from_dict)", resume, model=name)
+        # The state holds the conversation and its id: another system message, history or id would contradict it.
+        named = (("system", system), ("history", history), ("sequence_id", sequence_id))
+        given = [k for k, v in named if v is not None]
+        if given:
+            raise SequenceUsageError(
+                f"chat on model {name!r}: resume= takes the conversation and its id from the state; "
+                f"{', '.join(f'{k}=' for k in given)} cannot be given with it",
+                model=name,
+            )
+        if resume.model != name:
+            raise SequenceUsageError(
+                f"resume: the state is of a chat on model {resume.model!r}, not {name!r}", model=name
+            )
+    return _Settings(options=options, prefix=prefix, replay_on_loss=replay_on_loss, resume=resume)
+
+
+def _resumed_sequence(seq: SequenceSession, resume: ChatState | None) -> SequenceSession:
+    """``seq`` (on the state's id) adopted when the server holds committed turns there: no START, DIGEST from the
+    first turn. A state with nothing committed (digest "") starts its id afresh, sending its messages."""
+    if resume is not None and resume.digest != EMPTY:
+        seq._adopt()
+    return seq
 
 
 def open_chat(
@@ -399,6 +589,7 @@ def open_chat(
     timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
     end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
     replay_on_loss: bool = False,
+    resume: ChatState | None = None,
 ) -> ChatSession:
     """A new chat on ``model`` (what ``model.chat(...)`` returns). Checks everything; no I/O until the first turn.
 
@@ -407,19 +598,30 @@ def open_chat(
     (see :class:`ChatOptions`). ``timeout_s`` bounds each turn (the client's default when not given; a turn may
     give its own). ``replay_on_loss``: when the server has lost the conversation, a turn replays
     :attr:`ChatSession.messages` into a fresh one instead of raising :class:`SequenceLost` (see the module
-    docstring).
+    docstring). ``resume``: a :class:`ChatState` (:attr:`ChatSession.state`, perhaps of another process) whose
+    conversation the server still holds: the chat goes on on its sequence id without START, its first turn sends
+    only the new user message (and the state's digest, which the server checks), and its messages and counts start
+    from the state; not with ``system``, ``history`` or ``sequence_id``. If the server no longer holds it, or holds
+    another history there, the turn raises :class:`SequenceLost` (with ``replay_on_loss``, it replays the state's
+    messages into a fresh sequence); see the module docstring.
     Raises :class:`SequenceUsageError` for a model that is not a chat model or a client that cannot stream
     (HTTP: Triton serves decoupled models over the gRPC stream only).
     """
     _check_chat_model(model)
     settings = _settings(
-        model.spec.name, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-        stream_interval_ms=stream_interval_ms, replay_on_loss=replay_on_loss,
+        model.spec.name, system=system, history=history, sequence_id=sequence_id, resume=resume,
+        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=seed, stop=stop, stream_interval_ms=stream_interval_ms, replay_on_loss=replay_on_loss,
     )
     _check_options_fit(model.spec, settings.options)
+    if resume is not None:
+        _check_resume_fits(model.spec)
+        sequence_id = resume.sequence_id
     seq = open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
-    return ChatSession(seq, options=settings.options, prefix=settings.prefix, replay_on_loss=settings.replay_on_loss)
+    return ChatSession(
+        _resumed_sequence(seq, resume), options=settings.options, prefix=settings.prefix,
+        replay_on_loss=settings.replay_on_loss, resume=resume,
+    )
 
 
 def defer_chat(
@@ -440,24 +642,32 @@ def defer_chat(
     timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
     end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
     replay_on_loss: bool = False,
+    resume: ChatState | None = None,
 ) -> ChatSession:
     """What ``client.chat(name, ...)`` returns: the chat :func:`open_chat` makes on the model that ``fetch()``
     gives, made without I/O. The options and messages are checked here; ``fetch`` runs (once) when the chat is
     entered or sends its first turn, and the checks that need the model's config (a chat model?) run then."""
     settings = _settings(
-        name, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-        stream_interval_ms=stream_interval_ms, replay_on_loss=replay_on_loss,
+        name, system=system, history=history, sequence_id=sequence_id, resume=resume,
+        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=seed, stop=stop, stream_interval_ms=stream_interval_ms, replay_on_loss=replay_on_loss,
     )
+    if resume is not None:
+        sequence_id = resume.sequence_id
 
     async def opened() -> SequenceSession:
         model = await fetch()
         _check_chat_model(model)
         _check_options_fit(model.spec, settings.options)
+        if resume is not None:
+            _check_resume_fits(model.spec)
         return open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
 
     seq = SequenceSession._deferred(name, opened)
-    return ChatSession(seq, options=settings.options, prefix=settings.prefix, replay_on_loss=settings.replay_on_loss)
+    return ChatSession(
+        _resumed_sequence(seq, resume), options=settings.options, prefix=settings.prefix,
+        replay_on_loss=settings.replay_on_loss, resume=resume,
+    )
 
 
 class ChatSession:
@@ -476,6 +686,7 @@ class ChatSession:
         options: ChatOptions,
         prefix: tuple[ChatMessage, ...] = (),
         replay_on_loss: bool = False,
+        resume: ChatState | None = None,
     ) -> None:
         self._seq = seq
         self._options = options
@@ -491,13 +702,30 @@ class ChatSession:
         self._digest = EMPTY
         self._streaming = False
         self._closed = False
+        self._detached = False
         self._turns = 0
         self._replays = 0
         self._context_tokens = 0
         self._last_reply: ChatReply | None = None
+        # The state this chat was resumed from: what `state` says until the chat has reached its model.
+        self._resumed = resume
+        if resume is not None:
+            self._messages = list(resume.messages)
+            # Nothing committed on the state's sequence (digest ""): the server holds none of its messages, and the
+            # first turn, a START, sends them all (as a replay would, on the same id).
+            self._pending = () if resume.digest != EMPTY else resume.messages
+            self._pinned = resume.pinned
+            self._digest = resume.digest
+            self._turns = resume.turns
+            self._context_tokens = resume.context_tokens
 
     def __repr__(self) -> str:
-        state = "lost" if self.is_lost and not self._closed else "open" if self.is_open else "closed"
+        state = (
+            "detached" if self._detached
+            else "lost" if self.is_lost and not self._closed
+            else "open" if self.is_open
+            else "closed"
+        )  # fmt: skip
         return f"<Chat {self._seq.model} id={self._seq._known_id!r} turns={self._turns} {state}>"
 
     # -- state ----------------------------------------------------------------------------------------
@@ -541,6 +769,22 @@ class ChatSession:
     def context_tokens(self) -> int:
         """Tokens the server holds for this conversation after the last completed turn."""
         return self._context_tokens
+
+    @property
+    def state(self) -> ChatState:
+        """What resuming this conversation needs (``client.chat(name, resume=chat.state)``, maybe in another process,
+        after :meth:`detach`): the committed conversation, so while a turn streams it is the state before that turn.
+
+        A chat opened by name has it once it has reached its model (:class:`SequenceUsageError` before), unless it
+        was itself resumed: then it is that state until its first turn. After a replay (``replay_on_loss``) its id
+        is the fresh sequence's.
+        """
+        if self._resumed is not None and self._seq._known_id is None:
+            return self._resumed
+        return ChatState(
+            model=self._seq.model, sequence_id=self._seq.sequence_id, messages=tuple(self._messages),
+            pinned=self._pinned, digest=self._digest, turns=self._turns, context_tokens=self._context_tokens,
+        )
 
     @property
     def last_reply(self) -> ChatReply | None:
@@ -704,10 +948,11 @@ class ChatSession:
             "TEXT": np.array([m.text.encode() for m in outgoing], dtype=object),
             **options.inputs(),
         }
-        if seq.steps_acknowledged > 0 and seq.spec.input(_DIGEST) is not None:
-            # Not with START (the server's conversation is new). It tells the server what the client holds: a
-            # turn the server finished but the client never saw end (cancelled or timed out at its last response)
-            # is rolled back there too.
+        if not seq._starts_next and seq.spec.input(_DIGEST) is not None:
+            # Not with START (the server's conversation is new); a resumed chat's first turn carries the state's. It
+            # tells the server what the client holds: a turn the server finished but the client never saw end
+            # (cancelled or timed out at its last response) is rolled back there too, and a history other than the
+            # client's is refused (SequenceLost), never continued.
             inputs[_DIGEST] = np.array([self._digest.encode()], dtype=object)
         decoder = PieceDecoder()
         parts: list[str] = []
@@ -757,6 +1002,7 @@ class ChatSession:
                             prompt_tokens=_count(result, "PROMPT_TOKENS"),
                             context_tokens=_count(result, "CONTEXT_TOKENS"),
                             dropped=_count(result, "DROPPED"),
+                            input_tokens=_count(result, "INPUT_TOKENS"),
                             time_to_first_token_s=None if first_at is None else first_at - started,
                             elapsed_s=now - started,
                             replayed=replayed,
@@ -797,13 +1043,41 @@ class ChatSession:
 
     # -- closing --------------------------------------------------------------------------------------
 
+    async def detach(self) -> ChatState:
+        """Close the chat here *without* ending the conversation on the server, and return its :attr:`state`.
+
+        The server keeps the conversation (its KV cache) until the model's idle timeout, for a chat resumed from
+        the state (``client.chat(name, resume=state)``, in this process or another) to go on with. A turn still
+        streaming is cancelled (the server rolls it back; its reader gets :class:`SequenceClosedError`) and the
+        state is the one before it. Afterwards turns raise :class:`SequenceClosedError` and :meth:`aclose` (leaving
+        the ``async with`` block) sends nothing; detaching again returns the same state. Raises
+        :class:`SequenceClosedError` for a chat closed already (its conversation is gone) and
+        :class:`SequenceUsageError` for one opened by name that has not reached its model (nothing to keep).
+        """
+        if self._closed and not self._detached:
+            seq = self._seq
+            raise SequenceClosedError(
+                f"chat {seq._known_id!r} on model {seq.model!r} is closed: its conversation was ended on the server "
+                "(chat.state still gives its messages, to replay)",
+                model=seq.model,
+                sequence_id=seq._known_id,
+            )
+        state = self.state
+        self._closed = True
+        self._detached = True
+        await self._seq._detach()
+        return state
+
     async def aclose(self) -> None:
         """End the conversation on the server (END, no inputs; bounded, best effort). Idempotent.
 
         A turn still streaming (being read, or left without closing its loop) is cancelled and END leaves at
-        once: the server rolls the turn back and frees the conversation.
+        once: the server rolls the turn back and frees the conversation. A resumed chat ends the conversation it
+        resumed, even without a turn of its own; a detached one sends nothing.
         """
         self._closed = True
+        if self._detached:
+            return
         await self._seq.aclose()
 
     async def __aenter__(self) -> Self:

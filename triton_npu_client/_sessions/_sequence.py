@@ -16,7 +16,9 @@
 - **START / END.** START rides on every step until the server has acknowledged one. END rides on
   :meth:`SequenceSession.end`, or on a closing request when the block is left without it. The closing request
   carries no inputs when every input of the model is optional (the server toolkit's models free the state
-  without computing a step); otherwise it re-sends the last step's inputs and its answer is discarded.
+  without computing a step); otherwise it re-sends the last step's inputs and its answer is discarded. A session
+  that *adopts* a sequence the server already holds (a resumed chat) never sends START and ENDs it at the close
+  even without a step of its own; one *detached* (a chat's ``detach()``) sends nothing more, END included.
 - **Losses** are judged in one place (``_errors/_classify.judge_step``), the same over every path:
   :class:`SequenceLost` only when the server dropped the sequence or a step's outcome is unknown; any other
   failure is that step's own error, the session goes on, and END is still sent at the close.
@@ -283,6 +285,10 @@ class SequenceSession:
         self._closed_under: Responses | None = None  # that call, once aclose() cancelled it
         # The chat turn's span while a turn streams here: its steps' spans hang under it (set by ChatSession).
         self._trace_parent: Span | None = None
+        # A sequence the server already holds, started by another session (a chat resumed from its state, maybe in
+        # another process): no step carries START, and closing sends END even before this session sent a step.
+        self._adopted = False
+        self._detached = False  # let go of without END (_detach): closing sends nothing
 
     def __repr__(self) -> str:
         state = "lost" if self._loss is not None else "ended" if self._ended else "open"
@@ -359,6 +365,31 @@ class SequenceSession:
     def is_lost(self) -> bool:
         return self._loss is not None
 
+    @property
+    def _starts_next(self) -> bool:
+        """Whether the next step carries START: none acknowledged yet, and the sequence is not an adopted one."""
+        return self._acked == 0 and not self._adopted
+
+    def _adopt(self) -> None:
+        """Continue a sequence the server already holds (no START; END at the close). Before any step only."""
+        assert self._last_request is None, "adopted after a step was sent"
+        assert self._acked == 0, "adopted after a step was answered"
+        self._adopted = True
+        self._needs_end = True
+
+    async def _detach(self) -> None:
+        """Let the session go without ending the sequence: the server keeps it (until the model's idle timeout) for
+        another session to adopt. A ``rolled_back`` stream step in flight is cancelled (the model rolls it back;
+        its reader gets :class:`SequenceClosedError`), and nothing else is sent, now or at a later close."""
+        if self._loss is None:
+            self._ended = True
+        self._detached = True
+        self._needs_end = False
+        in_flight = self._rolled_back_call
+        if in_flight is not None:
+            self._closed_under = in_flight
+            await in_flight.aclose()
+
     def renewed(self) -> SequenceSession:
         """A new session on the same model with the same settings and a fresh id (nothing is sent)."""
         if self._opener is not None:
@@ -430,7 +461,7 @@ class SequenceSession:
             self._refuse()
             async with self._lock:
                 self._refuse()
-                start = self._acked == 0
+                start = self._starts_next
                 decoupled = self._spec.decoupled
                 token = span.attach() if span is not None else None  # never across a yield: the send only
                 try:
@@ -556,7 +587,7 @@ class SequenceSession:
             self._refuse()
             async with self._lock:
                 self._refuse()  # the state may have changed while this caller queued
-                start = self._acked == 0
+                start = self._starts_next
                 responses = self._send(
                     request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
                     route=self._route, many=self._spec.decoupled,
@@ -645,15 +676,27 @@ class SequenceSession:
         The closing request carries END and no inputs when the model allows it, else the last step's inputs
         (see the module docstring); a caller cancelled while it runs does not stop it. A ``rolled_back`` stream
         step still in flight (being read, or abandoned by its reader) is cancelled first and END leaves at once,
-        without waiting for it: the model rolls the step back and the END frees the sequence.
+        without waiting for it: the model rolls the step back and the END frees the sequence. An adopted sequence
+        (a resumed chat) is ended even if this session sent no step, reaching its model first when it was opened by
+        name; a detached one is not.
         """
+        if self._detached:
+            return
+        if self._opener is not None and self._adopted and self._needs_end:
+            try:
+                async with asyncio.timeout(DEFAULT_END_TIMEOUT_S):
+                    await self._bind()
+            except (TritonError, TimeoutError) as err:
+                _log.debug("closing request of adopted sequence on %r not sent (best effort): %s", self._name, err)
+                self._needs_end = False
         if self._loss is None:
             self._ended = True
         request = self._last_request
-        if not self._needs_end or request is None:
+        # Without a step sent yet, only a model that takes a request without inputs can be sent END.
+        if not self._needs_end or (request is None and not self._end_only):
             return
         self._needs_end = False  # idempotent: a second aclose() sends nothing
-        if self._end_only:
+        if self._end_only or request is None:
             request = build_request(self._spec, None, None)
         in_flight = self._rolled_back_call
         if in_flight is not None:
@@ -680,7 +723,7 @@ class SequenceSession:
                     route=route,
                     many=self._spec.decoupled,
                     sequence_id=self._id,
-                    sequence_start=self._acked == 0,
+                    sequence_start=self._starts_next,
                     sequence_end=True,
                 )
                 async for _ in responses:

@@ -20,7 +20,7 @@ from types import FrameType
 from .._errors import TritonError, UsageError
 from .._local import LocalTriton
 from .._version import __version__
-from . import _chat, _fleet, _score
+from . import _chat, _fleet, _openai, _score
 
 __all__ = ["main"]
 
@@ -154,6 +154,11 @@ COMMANDS["stubs"] = (_stubs_args, _stubs, "generate typed input/output classes f
 COMMANDS["chat"] = (_chat.add_arguments, _chat.run, "chat with a chat model in the terminal, replies streamed")
 COMMANDS["score"] = (_score.add_arguments, _score.run, "score a file of rows through a model; resumable, in order")
 COMMANDS["fleet"] = (_fleet.add_arguments, _fleet.run, "each replica's health, READY models and load, one line each")
+COMMANDS["openai"] = (
+    _openai.add_arguments,
+    _openai.run,
+    "serve the OpenAI HTTP API (chat completions, embeddings, responses) in front of a server or a fleet",
+)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -201,6 +201,9 @@ class ChatResponse:
     live: int
     kv_bytes: int
     digest: str = EMPTY
+    #: The whole prompt this turn's reply is conditioned on (the conversation's rendered tokens), however much of it
+    #: the cache held already: what an API bills as input. Filled on the last response.
+    input_tokens: int = 0
 
 
 Messages = tuple[tuple[str, str], ...]  # (role, text), oldest first
@@ -934,11 +937,21 @@ class ChatEngine:
                 0 if conv is None else conv.table.length,
                 0 if turn.prompt is None else turn.prompt.dropped,
                 digest=EMPTY if conv is None or not turn.finish else conv.digest,
+                input_tokens=0 if turn.prompt is None else len(turn.prompt.ids),
             )
         )
 
     def _response(
-        self, piece: bytes, finish: Finish, tokens: int, prompt: int, context: int, dropped: int, *, digest: str = EMPTY
+        self,
+        piece: bytes,
+        finish: Finish,
+        tokens: int,
+        prompt: int,
+        context: int,
+        dropped: int,
+        *,
+        digest: str = EMPTY,
+        input_tokens: int = 0,
     ) -> ChatResponse:
         return ChatResponse(
             piece=piece,
@@ -951,6 +964,7 @@ class ChatEngine:
             live=self.live if finish else 0,
             kv_bytes=self.kv_bytes if finish else 0,
             digest=digest,
+            input_tokens=input_tokens if finish else 0,
         )
 
 

@@ -80,6 +80,9 @@ class ChatModel:
         self._final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         config = parse_model_config(args["model_config"])
         self._batching = SequenceBatching.from_model_config(config) if config.get("sequence_batching") else None
+        # INPUT_TOKENS came later than the other counts: a config written before it does not declare it, and a
+        # response may carry only the outputs its config declares.
+        self._input_tokens = any(o.get("name") == "INPUT_TOKENS" for o in config.get("output") or [])
 
         def param(key: str, default: str) -> str:
             return model_parameter(config, key) or default
@@ -270,6 +273,7 @@ class ChatModel:
                 one("LIVE", r.live, np.int32),
                 one("KV_BYTES", r.kv_bytes, np.int64),
                 one("DIGEST", r.digest.encode(), np.object_),
+                *([one("INPUT_TOKENS", r.input_tokens, np.int32)] if self._input_tokens else []),
             ]
         )
 

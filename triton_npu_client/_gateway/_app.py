@@ -1,0 +1,1027 @@
+"""The OpenAI HTTP API as an ASGI app (Starlette), on this SDK's :class:`~triton_npu_client.Client`.
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/responses``,
+``GET|DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``POST /v1/conversations``,
+``GET|DELETE /v1/conversations/{id}``; ``GET /metrics`` (Prometheus) and ``GET /health`` without a key.
+
+How a request is served (docs/openai.md says it for users):
+
+- **Checked first.** The key (constant time), the body's size (413 past the cap), its JSON and every parameter
+  (:mod:`._schema`), the model's kind (:mod:`._catalog`) and the gateway's capacity (429 with ``Retry-After``), all
+  before anything reaches a replica.
+- **Chat Completions** is stateless: a fresh chat whose first turn carries the whole history; its END follows the
+  reply. The server's shared prefix blocks spare the prefill of a history it has seen; ``usage`` says how much
+  (``prompt_tokens_details.cached_tokens``).
+- **Responses** keep the chain's chat open (:mod:`._chains`) under the latest response's id, so a turn that names
+  it sends and prefills only its new message. A turn naming an older response, or one whose chat is not open here
+  (closed when idle, or a restarted gateway) starts from the stored state: resumed on the server's live sequence
+  when it is the chain's head and the server still holds it, else replayed exactly from the stored messages.
+- **Disconnects.** A client that goes away (streaming or not) cancels its turn: the SDK cancels it on the server,
+  which rolls it back; a Responses chain stays at the response it continued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import numpy as np
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from .._errors import SequenceLost, TritonError
+from .._jobs import score_batches
+from .._sessions import ChatMessage, ChatReply, ChatSession, ChatState
+from .._trace import AVAILABLE as TRACING
+from .._trace import Span
+from .._trace import start as start_span
+from ._catalog import Catalog, ServedModel
+from ._chains import Chains
+from ._errors import APIError, busy, from_sdk, invalid
+from ._metrics import CONTENT_TYPE, Metrics
+from ._schema import (
+    ChatRequest,
+    Limits,
+    ResponseRequest,
+    chat_request,
+    conversation_request,
+    embedding_request,
+    response_request,
+)
+from ._store import MemoryStore, ResponseStore, StoredConversation, StoredResponse
+
+if TYPE_CHECKING:
+    from .._client import Client
+
+__all__ = ["GatewayOptions", "create_app"]
+
+_log = logging.getLogger("triton_npu_client.openai")
+
+_FINISH: Final = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
+
+
+def _keys_tuple(keys: Sequence[str]) -> tuple[str, ...]:
+    return tuple(keys)
+
+
+@attrs.frozen(kw_only=True)
+class GatewayOptions:
+    """How the gateway serves. ``api_keys``: the keys a request may carry (``Authorization: Bearer KEY``); none:
+    no key is asked. ``max_turns``: generation requests at once (beyond: 429). ``max_live_chains``: Responses
+    chains kept open on the server; ``live_idle_s``: an open chain idle this long is closed (its next turn
+    replays). ``timeout_s``: one turn's deadline (504 past it). ``detach_on_close``: leave the open chains on
+    the server when the gateway stops (a restarted gateway on the same store resumes them); else END them."""
+
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_keys_tuple)
+    limits: Limits = attrs.field(factory=Limits)
+    max_turns: int = 64
+    max_live_chains: int = 256
+    live_idle_s: float = 300.0
+    timeout_s: float = 300.0
+    detach_on_close: bool = False
+
+
+def _owner(key: str) -> str:
+    # Stored instead of the key: a record names whose it is without keeping a secret.
+    return hashlib.sha256(b"triton-npu-openai\0" + key.encode()).hexdigest()[:32]
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+def _pairs(messages: Sequence[ChatMessage]) -> tuple[tuple[str, str], ...]:
+    return tuple((m.role, m.text) for m in messages)
+
+
+def _messages(pairs: Sequence[Sequence[str]]) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage(role, text) for role, text in pairs)
+
+
+@attrs.frozen(kw_only=True)
+class _Usage:
+    prompt: int  # the whole input the reply was conditioned on
+    prefilled: int  # computed for this request (the rest came from the conversation or shared prefix blocks)
+    completion: int
+
+    @classmethod
+    def of(cls, reply: ChatReply) -> _Usage:
+        # The server counts the whole prompt (INPUT_TOKENS) and what it computed of it (PROMPT_TOKENS). A model
+        # from before INPUT_TOKENS reports 0: then the cache's length after the turn stands in for it (it holds
+        # every reply token but the last, which no pass has read yet).
+        prompt = reply.input_tokens or reply.context_tokens - max(reply.tokens - 1, 0)
+        prompt = max(prompt, reply.prompt_tokens)
+        return cls(prompt=prompt, prefilled=reply.prompt_tokens, completion=reply.tokens)
+
+    @property
+    def cached(self) -> int:
+        return max(self.prompt - self.prefilled, 0)
+
+
+def _sse(data: Any, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone (the body is read by then, so nothing else is received)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _EventStream(Response):
+    """A ``text/event-stream`` response whose producer is cancelled the moment the client disconnects.
+
+    Starlette's StreamingResponse notices a disconnect only at its next write (ASGI 2.4) or through the same
+    watch; here it is explicit, because cancelling the producer is what rolls the turn back on the server.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], *, on_end: Callable[[], None]) -> None:
+        super().__init__(media_type="text/event-stream")
+        self._events = events
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
+
+        async def pump() -> None:
+            async with contextlib.aclosing(self._events) as events:  # type: ignore[type-var]
+                async for chunk in events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        producer = asyncio.ensure_future(pump())
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({producer, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (producer, watch):
+                task.cancel()
+            await asyncio.gather(producer, watch, return_exceptions=True)
+            self._on_end()
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``'s result, unless the client disconnects first: then ``work`` is cancelled (a turn rolls back)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(499, "the client closed the request", code="client_closed_request")
+    return task.result()
+
+
+@attrs.define
+class _Turn:
+    """A Responses turn made ready: its chat, how the chat was reached, and what it continues."""
+
+    request: ResponseRequest
+    owner: str
+    chat: ChatSession
+    how: str  # "new", "live", "resumed" or "replayed"
+    previous: StoredResponse | None
+    conversation: StoredConversation | None
+    keys: tuple[str | None, ...]
+    id: str = attrs.field(factory=lambda: _new_id("resp"))
+    message_id: str = attrs.field(factory=lambda: _new_id("msg"))
+    created_at: int = attrs.field(factory=lambda: int(time.time()))
+    reply: ChatReply | None = None
+    ran: bool = False  # run() started: from then on it releases the claims and settles the chat itself
+
+
+class Gateway:
+    """The app's state and handlers (see the module docstring); :func:`create_app` builds the ASGI app on it."""
+
+    def __init__(self, client: Client, *, store: ResponseStore | None, options: GatewayOptions) -> None:
+        self.client = client
+        self.store: ResponseStore = store if store is not None else MemoryStore()
+        self.options = options
+        self.limits = options.limits
+        self.catalog = Catalog(client)
+        self.metrics = Metrics()
+        self.chains = Chains(max_live=options.max_live_chains, idle_s=options.live_idle_s, on_close=self._chain_closed)
+        self._keys = tuple((_owner(k), hashlib.sha256(k.encode()).digest()) for k in options.api_keys)
+        self._turns = 0
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def aclose(self) -> None:
+        chats = await self.chains.aclose(detach=self.options.detach_on_close)
+        if self.options.detach_on_close:
+            await asyncio.gather(*(chat.detach() for _, chat in chats), return_exceptions=True)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+        await self.store.aclose()
+
+    async def _chain_closed(self, head: str) -> None:
+        # Its conversation is gone from the server: a later turn must not try to resume it.
+        with contextlib.suppress(Exception):
+            await self.store.forget_chat_state(head)
+
+    # -- checks -------------------------------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> str:
+        """The owner of the request's key ("" when the gateway asks none); 401 for a missing or wrong key."""
+        if not self._keys:
+            return ""
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise APIError(
+                401,
+                "Missing bearer authentication in header: give 'Authorization: Bearer KEY'",
+                code="missing_api_key",
+            )
+        digest = hashlib.sha256(given.strip().encode()).digest()
+        found = ""
+        for owner, key in self._keys:  # every key compared, in constant time: no early exit that times the match
+            if hmac.compare_digest(digest, key):
+                found = owner
+        if not found:
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return found
+
+    async def body(self, request: Request) -> Any:
+        cap = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise APIError(413, f"the request body is {declared} bytes; at most {cap}", code="request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise APIError(413, f"the request body is over {cap} bytes", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError):
+            raise APIError(
+                400,
+                "We could not parse the JSON body of your request: it must be a JSON object "
+                "(Content-Type: application/json)",
+                code="invalid_json",
+            ) from None
+
+    async def served(self, name: str, kind: str) -> ServedModel:
+        try:
+            model = await self.catalog.find(name)
+        except TritonError as err:
+            raise from_sdk(err) from None
+        if model is None:
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        if model.kind != kind:
+            other = "/v1/embeddings" if model.kind == "embedding" else "/v1/chat/completions or /v1/responses"
+            raise invalid("model", f"model '{name}' is a {model.kind} model, not a {kind} model: use {other}")
+        return model
+
+    @contextlib.contextmanager
+    def turn_slot(self) -> Any:
+        if self._turns >= self.options.max_turns:
+            raise busy(f"the gateway runs {self._turns} generation requests, its cap; retry shortly")
+        self._turns += 1
+        self.metrics.in_flight.set(self._turns)
+        try:
+            yield
+        finally:
+            self._turns -= 1
+            self.metrics.in_flight.set(self._turns)
+
+    def _close_later(self, chat: ChatSession) -> None:
+        """END a chat without making the caller wait (or be cancelled while it leaves)."""
+        task = asyncio.get_running_loop().create_task(chat.aclose())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    # -- models -------------------------------------------------------------------------------------------------
+
+    async def list_models(self) -> dict[str, Any]:
+        try:
+            models = await self.catalog.models(refresh=True)
+        except TritonError as err:
+            raise from_sdk(err) from None
+        data = []
+        for m in sorted(models.values(), key=lambda m: m.name):
+            entry: dict[str, Any] = {"id": m.name, "object": "model", "created": 0, "owned_by": "triton-npu"}
+            entry["kind"] = m.kind
+            if m.context_length is not None:
+                entry["context_length"] = m.context_length
+            if m.kind == "embedding":
+                entry["dimensions"] = m.dimensions
+            data.append(entry)
+        return {"object": "list", "data": data}
+
+    # -- embeddings ---------------------------------------------------------------------------------------------
+
+    async def embeddings(self, raw: Any) -> dict[str, Any]:
+        req = embedding_request(raw, self.limits)
+        served = await self.served(req.model, "embedding")
+        try:
+            model = await self.client.model(served.name)
+            column = np.array([t.encode() for t in req.texts], dtype=object).reshape(-1, 1)
+            vectors: list[Any] = [None] * len(req.texts)
+            failures: list[tuple[int, Exception]] = []
+            batches = score_batches(model, [{served.text_input: column}], outputs=[served.vector_output])
+            async with contextlib.aclosing(batches) as scored:  # type: ignore[type-var]
+                async for batch in scored:
+                    for start, outputs in batch.runs:
+                        block = outputs[served.vector_output]
+                        for i in range(block.shape[0]):
+                            vectors[start + i] = block[i]
+                    failures.extend((index, error) for index, error, _ in batch.errors)
+        except TritonError as err:
+            raise from_sdk(err, param="input") from None
+        if failures:
+            index, error = failures[0]
+            raise (
+                from_sdk(error, param=f"input[{index}]")
+                if isinstance(error, TritonError)
+                else invalid(f"input[{index}]", str(error))
+            )
+        data = []
+        for i, vector in enumerate(vectors):
+            values = np.asarray(vector, dtype="<f4")
+            embedding: Any = base64.b64encode(values.tobytes()).decode() if req.base64 else values.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": embedding})
+        # The encoder does not report its token counts (docs/openai.md): none is made up.
+        return {"object": "list", "data": data, "model": served.name, "usage": {"prompt_tokens": 0, "total_tokens": 0}}
+
+    # -- chat completions ---------------------------------------------------------------------------------------
+
+    async def chat_completion(self, req: ChatRequest, *, started: float) -> AsyncIterator[tuple[str, Any]]:
+        """The reply as ("piece", text) events, then ("done", (reply, usage)); errors raise APIError."""
+        await self.served(req.model, "chat")
+        history, last = req.messages[:-1], req.messages[-1]
+        chat = self.client.chat(req.model, history=history, replay_on_loss=True, timeout_s=self.options.timeout_s)
+        try:
+            pieces = chat.send(last.text, **req.generation.options())
+            first = True
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    if first:
+                        self.metrics.ttft.labels("/v1/chat/completions").observe(time.perf_counter() - started)
+                        first = False
+                    yield "piece", piece
+            reply = chat.last_reply
+            assert reply is not None
+            yield "done", reply
+        except TritonError as err:
+            raise from_sdk(err) from None
+        finally:
+            self._close_later(chat)  # stateless: END frees the conversation (its full prefix blocks stay shared)
+
+    # -- responses ----------------------------------------------------------------------------------------------
+
+    async def prepare(self, req: ResponseRequest, owner: str) -> _Turn:
+        """Find what the turn continues, claim it and reach its chat; nothing is generated yet."""
+        await self.served(req.model, "chat")
+        previous: StoredResponse | None = None
+        conversation: StoredConversation | None = None
+        if req.previous_response_id is not None:
+            previous = await self.store.get_response(req.previous_response_id, owner=owner)
+            if previous is None:
+                raise APIError(
+                    404,
+                    f"Previous response with id '{req.previous_response_id}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+        if req.conversation is not None:
+            conversation = await self.store.get_conversation(req.conversation, owner=owner)
+            if conversation is None:
+                raise APIError(
+                    404, f"Conversation with id '{req.conversation}' not found.", param="conversation",
+                    code="conversation_not_found",
+                )  # fmt: skip
+            if conversation.head is not None:
+                previous = await self.store.get_response(conversation.head, owner=owner)
+        keys = (previous.id if previous else None, conversation.id if conversation else None)
+        if not self.chains.claim(*keys):
+            raise APIError(
+                409,
+                "a turn continuing this "
+                + ("conversation" if conversation else "response")
+                + " is still running; wait for it to finish, or name its response to go on from there",
+                param="conversation" if conversation else "previous_response_id",
+                code="conversation_busy",
+            )
+        try:
+            chat, how = await self._chat_for(req, previous, conversation)
+        except BaseException:
+            self.chains.release(*keys)
+            raise
+        return _Turn(
+            request=req, owner=owner, chat=chat, how=how, previous=previous, conversation=conversation, keys=keys
+        )
+
+    async def _chat_for(
+        self, req: ResponseRequest, previous: StoredResponse | None, conversation: StoredConversation | None
+    ) -> tuple[ChatSession, str]:
+        base: tuple[ChatMessage, ...] = ()
+        if previous is not None:
+            base = _messages(previous.messages)
+        elif conversation is not None:
+            base = _messages(conversation.messages)
+        system = ChatMessage("system", req.instructions) if req.instructions is not None else None
+        leading = next((i for i, m in enumerate(base) if m.role != "system"), len(base))
+        same_system = system is None or (leading == 1 and base[0] == system)
+        timeout = self.options.timeout_s
+        if previous is not None and previous.model == req.model and same_system and len(req.messages) == 1:
+            chat = self.chains.take(previous.id)
+            if chat is not None:
+                return chat, "live"
+            if previous.chat_state is not None:
+                state = ChatState.from_dict(previous.chat_state)
+                return (
+                    self.client.chat(req.model, resume=state, replay_on_loss=True, timeout_s=timeout),
+                    "resumed",
+                )
+        if system is not None and not same_system:
+            # Instructions replace the chain's system message: the history goes again under the new one.
+            base = (system, *base[leading:])
+        elif system is not None and not base:
+            base = (system,)
+        history = base + req.messages[:-1]
+        chat = self.client.chat(req.model, history=history, replay_on_loss=True, timeout_s=timeout)
+        return chat, "replayed" if previous is not None or conversation is not None else "new"
+
+    async def run(self, turn: _Turn, *, started: float) -> AsyncIterator[str]:
+        """The turn's text pieces; at the end the turn is stored (or its chat closed) and ``turn.reply`` set."""
+        req = turn.request
+        chat = turn.chat
+        committed = False
+        turn.ran = True
+        try:
+            pieces = chat.send(req.messages[-1].text, **req.generation.options())
+            first = True
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    if first:
+                        self.metrics.ttft.labels("/v1/responses").observe(time.perf_counter() - started)
+                        first = False
+                    yield piece
+            turn.reply = chat.last_reply
+            if chat.replays:
+                self.metrics.replays.labels("lost").inc()
+            elif turn.how == "replayed":
+                self.metrics.replays.labels("not_live").inc()
+            await self._commit(turn)
+            committed = True
+        except TritonError as err:
+            raise from_sdk(err) from None
+        finally:
+            self.chains.release(*turn.keys)
+            if not committed:
+                self._abandon(turn)
+            self.metrics.live_chains.set(len(self.chains))
+
+    def settle(self, turn: _Turn) -> None:
+        """For a turn whose stream ended before it ran (the client left at once): undo what prepare() did."""
+        if not turn.ran:
+            turn.ran = True
+            self.chains.release(*turn.keys)
+            self._abandon(turn)
+
+    def _abandon(self, turn: _Turn) -> None:
+        """The turn did not complete (rolled back on the server): the chain stays where it was."""
+        chat = turn.chat
+        if turn.how in ("live", "resumed") and turn.previous is not None and chat.is_open and not chat.is_lost:
+            self.chains.adopt(turn.previous.id, chat)
+        else:
+            self._close_later(chat)
+
+    async def _commit(self, turn: _Turn) -> None:
+        req = turn.request
+        chat = turn.chat
+        reply = turn.reply
+        assert reply is not None
+        body = self.response_body(turn)
+        if turn.previous is not None and turn.how in ("live", "resumed"):
+            # The sequence moved on: the older response is no longer its head, so it must never be resumed.
+            await self.store.forget_chat_state(turn.previous.id)
+        if not req.store:
+            self._close_later(chat)  # store=false keeps nothing after the response
+            return
+        items = tuple({"id": _new_id("msg"), **item} for item in req.items)
+        record = StoredResponse(
+            id=turn.id,
+            owner=turn.owner,
+            created_at=turn.created_at,
+            model=req.model,
+            status=body["status"],
+            body=body,
+            input_items=items,
+            messages=_pairs(chat.messages),
+            previous_response_id=turn.previous.id if turn.previous else None,
+            conversation_id=turn.conversation.id if turn.conversation else None,
+            chat_state=chat.state.to_dict(),
+        )
+        await self.store.put_response(record)
+        if turn.conversation is not None:
+            moved = await self.store.advance_conversation(
+                turn.conversation.id, owner=turn.owner, expected_head=turn.conversation.head, new_head=turn.id
+            )
+            if not moved:
+                # Another gateway moved the conversation meanwhile: this response stays, outside it.
+                _log.warning("conversation %s moved while a turn ran; response %s left out", turn.conversation.id,
+                             turn.id)  # fmt: skip
+        self.chains.adopt(turn.id, chat)
+
+    def response_body(self, turn: _Turn, *, status: str | None = None) -> dict[str, Any]:
+        req = turn.request
+        reply = turn.reply
+        output: list[dict[str, Any]] = []
+        usage: dict[str, Any] | None = None
+        incomplete: dict[str, Any] | None = None
+        if reply is not None:
+            finish = _FINISH.get(reply.finish_reason, "stop")
+            status = status or ("completed" if finish == "stop" else "incomplete")
+            if finish == "length":
+                incomplete = {"reason": "max_output_tokens"}
+            output.append(self.message_item(turn, reply.text, "completed" if status == "completed" else "incomplete"))
+            u = _Usage.of(reply)
+            usage = {
+                "input_tokens": u.prompt,
+                "input_tokens_details": {"cached_tokens": u.cached},
+                "output_tokens": u.completion,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u.prompt + u.completion,
+            }
+        return {
+            "id": turn.id,
+            "object": "response",
+            "created_at": turn.created_at,
+            "status": status or "in_progress",
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.generation.max_tokens,
+            "model": req.model,
+            "output": output,
+            "parallel_tool_calls": False,
+            "previous_response_id": turn.previous.id if turn.previous and req.previous_response_id else None,
+            "conversation": {"id": turn.conversation.id} if turn.conversation else None,
+            "store": req.store,
+            "temperature": req.generation.temperature,
+            "top_p": req.generation.top_p,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "none",
+            "tools": [],
+            "truncation": req.truncation,
+            "usage": usage,
+            "metadata": req.metadata,
+            "user": req.user,
+        }
+
+    def message_item(self, turn: _Turn, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [self.text_part(text)]
+        return {"id": turn.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def text_part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    async def delete_response(self, response_id: str, owner: str) -> dict[str, Any]:
+        if not self.chains.claim(response_id):
+            raise APIError(409, "a turn continuing this response is still running", code="conversation_busy")
+        try:
+            record = await self.store.delete_response(response_id, owner=owner)
+            if record is None:
+                raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
+            if not await self.chains.forget(response_id) and record.chat_state is not None:
+                # Its conversation may still be live on the server (a gateway restarted since): END frees it.
+                with contextlib.suppress(TritonError):
+                    chat = self.client.chat(record.model, resume=ChatState.from_dict(record.chat_state))
+                    await chat.aclose()
+            self.metrics.live_chains.set(len(self.chains))
+            return {"id": response_id, "object": "response.deleted", "deleted": True}
+        finally:
+            self.chains.release(response_id)
+
+
+# --- the ASGI app ------------------------------------------------------------------------------------------------
+
+
+def create_app(client: Client, *, store: ResponseStore | None = None, options: GatewayOptions | None = None) -> Any:
+    """The OpenAI API on ``client`` as an ASGI app (Starlette). ``store``: where responses are kept (default: in
+    memory, lost with the process; :class:`SQLiteStore` keeps them across restarts). The app does not own the
+    client; its lifespan closes the store and the open chains."""
+    gateway = Gateway(client, store=store, options=options or GatewayOptions())
+
+    def endpoint(
+        name: str, handler: Callable[[Request, str], Awaitable[Response]], *, auth: bool = True
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def serve(request: Request) -> Response:
+            started = time.perf_counter()
+            try:
+                owner = gateway.authorize(request) if auth else ""
+                response = await handler(request, owner)
+            except APIError as err:
+                if err.status >= 500:
+                    _log.warning("%s %s: %s", request.method, name, err.message)
+                response = JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+            except TritonError as err:
+                api = from_sdk(err)
+                response = JSONResponse(api.body(), status_code=api.status, headers=api.headers)
+            gateway.metrics.requests.labels(name, str(response.status_code)).inc()
+            if not isinstance(response, _EventStream):
+                gateway.metrics.latency.labels(name).observe(time.perf_counter() - started)
+            return response
+
+        return serve
+
+    async def models(request: Request, owner: str) -> Response:
+        return JSONResponse(await gateway.list_models())
+
+    async def embeddings(request: Request, owner: str) -> Response:
+        raw = await gateway.body(request)
+        return JSONResponse(await _until_disconnect(request, gateway.embeddings(raw)))
+
+    async def chat_completions(request: Request, owner: str) -> Response:
+        started = time.perf_counter()
+        req = chat_request(await gateway.body(request), gateway.limits)
+        slot = gateway.turn_slot()
+        slot.__enter__()
+        ident = _new_id("chatcmpl")
+        created = int(time.time())
+        events = gateway.chat_completion(req, started=started)
+        traced = _traced(events, "openai.chat.completions", req.model, request)
+        if req.stream:
+            return _EventStream(
+                _chat_chunks(traced, ident, created, req), on_end=lambda: _finish(slot, gateway, started, "chat")
+            )
+        try:
+
+            async def whole() -> tuple[str, ChatReply]:
+                parts: list[str] = []
+                reply: ChatReply | None = None
+                async with contextlib.aclosing(traced) as stream:  # type: ignore[type-var]
+                    async for kind, value in stream:
+                        if kind == "piece":
+                            parts.append(value)
+                        else:
+                            reply = value
+                assert reply is not None
+                return "".join(parts), reply
+
+            text, reply = await _until_disconnect(request, whole())
+        finally:
+            slot.__exit__(None, None, None)
+        usage = _Usage.of(reply)
+        _count(gateway.metrics, "/v1/chat/completions", usage)
+        return JSONResponse(
+            {
+                "id": ident,
+                "object": "chat.completion",
+                "created": created,
+                "model": req.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text, "refusal": None},
+                        "logprobs": None,
+                        "finish_reason": _FINISH.get(reply.finish_reason, "stop"),
+                    }
+                ],
+                "usage": _chat_usage(usage),
+                "system_fingerprint": None,
+            }
+        )
+
+    async def responses(request: Request, owner: str) -> Response:
+        started = time.perf_counter()
+        req = response_request(await gateway.body(request), gateway.limits)
+        slot = gateway.turn_slot()
+        slot.__enter__()
+        try:
+            turn = await _until_disconnect(request, gateway.prepare(req, owner))
+        except BaseException:
+            slot.__exit__(None, None, None)
+            raise
+        pieces = _traced(gateway.run(turn, started=started), "openai.responses", req.model, request)
+        if req.stream:
+
+            def ended() -> None:
+                gateway.settle(turn)
+                _finish(slot, gateway, started, "responses")
+
+            return _EventStream(_response_events(gateway, turn, pieces), on_end=ended)
+        try:
+
+            async def whole() -> None:
+                async with contextlib.aclosing(pieces) as stream:  # type: ignore[type-var]
+                    async for _ in stream:
+                        pass
+
+            await _until_disconnect(request, whole())
+        finally:
+            gateway.settle(turn)
+            slot.__exit__(None, None, None)
+        assert turn.reply is not None
+        _count(gateway.metrics, "/v1/responses", _Usage.of(turn.reply))
+        return JSONResponse(gateway.response_body(turn))
+
+    async def get_response(request: Request, owner: str) -> Response:
+        record = await gateway.store.get_response(request.path_params["id"], owner=owner)
+        if record is None:
+            raise APIError(404, f"Response with id '{request.path_params['id']}' not found.", code="response_not_found")
+        return JSONResponse(record.body)
+
+    async def delete_response(request: Request, owner: str) -> Response:
+        return JSONResponse(await gateway.delete_response(request.path_params["id"], owner))
+
+    async def input_items(request: Request, owner: str) -> Response:
+        record = await gateway.store.get_response(request.path_params["id"], owner=owner)
+        if record is None:
+            raise APIError(404, f"Response with id '{request.path_params['id']}' not found.", code="response_not_found")
+        # Newest first, as OpenAI lists them by default; ``order=asc`` for oldest first.
+        items = list(record.input_items)
+        if request.query_params.get("order", "desc") != "asc":
+            items.reverse()
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": items,
+                "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None,
+                "has_more": False,
+            }
+        )
+
+    async def create_conversation(request: Request, owner: str) -> Response:
+        raw = await gateway.body(request) if request.headers.get("content-length") not in (None, "0") else {}
+        req = conversation_request(raw, gateway.limits)
+        record = StoredConversation(
+            id=_new_id("conv"),
+            owner=owner,
+            created_at=int(time.time()),
+            metadata=req.metadata,
+            items=tuple({"id": _new_id("msg"), **item} for item in req.items),
+            messages=_pairs(req.messages),
+            head=None,
+        )
+        await gateway.store.put_conversation(record)
+        return JSONResponse(_conversation_body(record))
+
+    async def get_conversation(request: Request, owner: str) -> Response:
+        record = await gateway.store.get_conversation(request.path_params["id"], owner=owner)
+        if record is None:
+            raise APIError(
+                404, f"Conversation with id '{request.path_params['id']}' not found.", code="conversation_not_found"
+            )
+        return JSONResponse(_conversation_body(record))
+
+    async def delete_conversation(request: Request, owner: str) -> Response:
+        conv_id = request.path_params["id"]
+        if not gateway.chains.claim(conv_id):
+            raise APIError(409, "a turn in this conversation is still running", code="conversation_busy")
+        try:
+            if not await gateway.store.delete_conversation(conv_id, owner=owner):
+                raise APIError(404, f"Conversation with id '{conv_id}' not found.", code="conversation_not_found")
+        finally:
+            gateway.chains.release(conv_id)
+        return JSONResponse({"id": conv_id, "object": "conversation.deleted", "deleted": True})
+
+    async def metrics(request: Request, owner: str) -> Response:
+        gateway.metrics.live_chains.set(len(gateway.chains))
+        return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def health(request: Request, owner: str) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        message = f"Invalid URL ({request.method} {request.url.path})" if status in (404, 405) else "server error"
+        return JSONResponse(APIError(status, message, code="not_found" if status == 404 else None).body(), status)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await gateway.aclose()
+
+    routes = [
+        Route("/v1/models", endpoint("/v1/models", models), methods=["GET"]),
+        Route("/v1/embeddings", endpoint("/v1/embeddings", embeddings), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint("/v1/chat/completions", chat_completions), methods=["POST"]),
+        Route("/v1/responses", endpoint("/v1/responses", responses), methods=["POST"]),
+        Route("/v1/responses/{id}", endpoint("/v1/responses/{id}", get_response), methods=["GET"]),
+        Route("/v1/responses/{id}", endpoint("/v1/responses/{id}", delete_response), methods=["DELETE"]),
+        Route("/v1/responses/{id}/input_items", endpoint("/v1/responses/{id}/input_items", input_items)),
+        Route("/v1/conversations", endpoint("/v1/conversations", create_conversation), methods=["POST"]),
+        Route("/v1/conversations/{id}", endpoint("/v1/conversations/{id}", get_conversation), methods=["GET"]),
+        Route("/v1/conversations/{id}", endpoint("/v1/conversations/{id}", delete_conversation), methods=["DELETE"]),
+        Route("/metrics", endpoint("/metrics", metrics, auth=False)),
+        Route("/health", endpoint("/health", health, auth=False)),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app
+
+
+def _finish(slot: Any, gateway: Gateway, started: float, kind: str) -> None:
+    slot.__exit__(None, None, None)
+    endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/responses"
+    gateway.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+
+def _count(metrics: Metrics, endpoint: str, usage: _Usage) -> None:
+    metrics.tokens.labels(endpoint, "prompt").inc(usage.prompt)
+    metrics.tokens.labels(endpoint, "prefilled").inc(usage.prefilled)
+    metrics.tokens.labels(endpoint, "completion").inc(usage.completion)
+
+
+def _chat_usage(usage: _Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt,
+        "completion_tokens": usage.completion,
+        "total_tokens": usage.prompt + usage.completion,
+        "prompt_tokens_details": {"cached_tokens": usage.cached},
+    }
+
+
+def _conversation_body(record: StoredConversation) -> dict[str, Any]:
+    return {"id": record.id, "object": "conversation", "created_at": record.created_at, "metadata": record.metadata}
+
+
+def _error_event(err: BaseException) -> dict[str, Any]:
+    api = err if isinstance(err, APIError) else from_sdk(err) if isinstance(err, TritonError) else None
+    if api is None:
+        _log.exception("a stream failed", exc_info=err)
+        api = APIError(500, "the server failed while streaming", type="server_error", code="server_error")
+    error: dict[str, Any] = api.body()["error"]
+    return error
+
+
+async def _traced(events: AsyncIterator[Any], name: str, model: str, request: Request) -> AsyncIterator[Any]:
+    """``events`` inside a span of their own (joining the caller's trace from its ``traceparent``), so the SDK's
+    chat-turn and step spans hang under it."""
+    span: Span | None = None
+    token: object = None
+    if TRACING:
+        parent = _extract(request)
+        outer = None if parent is None else _attach(parent)
+        try:
+            span = start_span(name, model=model)
+        finally:
+            if outer is not None:
+                _detach(outer)
+        if span is not None:
+            token = span.attach()
+    error: BaseException | None = None
+    try:
+        async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
+            async for event in stream:
+                yield event
+    except BaseException as err:
+        error = err
+        raise
+    finally:
+        if span is not None:
+            span.finish(None if isinstance(error, GeneratorExit | asyncio.CancelledError) else error)
+            with contextlib.suppress(ValueError):  # a generator closed from another context
+                Span.detach(token)
+
+
+def _extract(request: Request) -> Any:
+    try:
+        from opentelemetry import propagate
+    except ImportError:  # pragma: no cover - AVAILABLE said it is there
+        return None
+    if "traceparent" not in request.headers:
+        return None
+    return propagate.extract(dict(request.headers))
+
+
+def _attach(ctx: Any) -> object:
+    from opentelemetry import context
+
+    return context.attach(ctx)
+
+
+def _detach(token: object) -> None:
+    from opentelemetry import context
+
+    context.detach(token)  # type: ignore[arg-type]
+
+
+async def _chat_chunks(
+    events: AsyncIterator[tuple[str, Any]], ident: str, created: int, req: ChatRequest
+) -> AsyncIterator[bytes]:
+    """Chat Completions' SSE: a role chunk, content chunks, a finish chunk, the usage chunk if asked, [DONE]."""
+
+    def chunk(delta: dict[str, Any], finish: str | None, **extra: Any) -> bytes:
+        body: dict[str, Any] = {
+            "id": ident,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if req.include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return _sse(body)
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    try:
+        async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
+            async for kind, value in stream:
+                if kind == "piece":
+                    yield chunk({"content": value}, None)
+                    continue
+                reply: ChatReply = value
+                yield chunk({}, _FINISH.get(reply.finish_reason, "stop"))
+                if req.include_usage:
+                    usage = _Usage.of(reply)
+                    yield _sse(
+                        {
+                            "id": ident,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": req.model,
+                            "system_fingerprint": None,
+                            "choices": [],
+                            "usage": _chat_usage(usage),
+                        }
+                    )
+    except (APIError, TritonError, SequenceLost) as err:
+        yield _sse({"error": _error_event(err)})
+    yield b"data: [DONE]\n\n"
+
+
+async def _response_events(gateway: Gateway, turn: _Turn, pieces: AsyncIterator[str]) -> AsyncIterator[bytes]:
+    """The Responses API's stream: created, in_progress, the message item and its text part, deltas, the done
+    events, then ``response.completed`` (or ``response.incomplete``; ``response.failed`` after an error)."""
+    number = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal number
+        data = {"type": kind, "sequence_number": number, **fields}
+        number += 1
+        return _sse(data, kind)
+
+    yield event("response.created", response=gateway.response_body(turn))
+    yield event("response.in_progress", response=gateway.response_body(turn))
+    yield event("response.output_item.added", output_index=0, item=gateway.message_item(turn, None, "in_progress"))
+    ids = {"item_id": turn.message_id, "output_index": 0, "content_index": 0}
+    yield event("response.content_part.added", **ids, part=gateway.text_part(""))
+    parts: list[str] = []
+    try:
+        async with contextlib.aclosing(pieces) as stream:  # type: ignore[type-var]
+            async for piece in stream:
+                parts.append(piece)
+                yield event("response.output_text.delta", **ids, delta=piece, logprobs=[])
+    except (APIError, TritonError) as err:
+        error = _error_event(err)
+        yield event("error", code=error["code"], message=error["message"], param=error["param"])
+        body = gateway.response_body(turn, status="failed")
+        body["error"] = {"code": error["code"] or "server_error", "message": error["message"]}
+        yield event("response.failed", response=body)
+        return
+    text = "".join(parts)
+    yield event("response.output_text.done", **ids, text=text, logprobs=[])
+    yield event("response.content_part.done", **ids, part=gateway.text_part(text))
+    body = gateway.response_body(turn)
+    yield event("response.output_item.done", output_index=0, item=body["output"][0])
+    assert turn.reply is not None
+    _count(gateway.metrics, "/v1/responses", _Usage.of(turn.reply))
+    yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)

@@ -1,0 +1,535 @@
+"""Request bodies of the OpenAI API, checked and turned into frozen values before anything costs a token.
+
+Each endpoint's body is read by one function (:func:`chat_request`, :func:`embedding_request`,
+:func:`response_request`, :func:`conversation_request`). The rules, the same for all:
+
+- **Known parameters only.** A parameter this gateway implements is checked (type, range, caps); one it does not
+  implement (``n`` > 1, ``logprobs``, ``tools``, ``response_format`` other than text, images, audio, ...) is refused
+  with a 400 that names it, never ignored; a parameter OpenAI does not define is refused the way OpenAI refuses it.
+  A refused parameter given at its neutral value (``n: 1``, ``logprobs: false``, ``tools: []``,
+  ``presence_penalty: 0``) is accepted: it asks for nothing.
+- **Caps before cost.** Message counts, text bytes, stop strings and embedding inputs are capped here (see
+  :class:`Limits`), so an absurd request is refused before it reaches a replica.
+- **Text only.** Content is a string or a list of text parts; any other part type is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+
+from .._sessions import ChatMessage
+from ._errors import APIError, invalid, refused
+
+__all__ = [
+    "ChatRequest",
+    "ConversationRequest",
+    "EmbeddingRequest",
+    "Generation",
+    "Limits",
+    "ResponseRequest",
+    "chat_request",
+    "conversation_request",
+    "embedding_request",
+    "response_request",
+]
+
+_INT32_MAX: Final = 2**31 - 1
+_INT64_MAX: Final = 2**63 - 1
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """What one request may carry; beyond it the request is refused with a 400 (413 for the body itself)."""
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_messages: int = 512
+    max_text_bytes: int = 65536  # one message's text, as the chat model's max_message_bytes
+    max_stops: int = 16
+    max_stop_bytes: int = 256
+    max_embedding_inputs: int = 2048
+    max_embedding_text_bytes: int = 65536
+    max_metadata_pairs: int = 16
+    max_tokens: int = 32768
+
+
+@attrs.frozen(kw_only=True)
+class Generation:
+    """The generation options of one turn, as the SDK's chat takes them (``None``: the model's default)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for ``ChatSession.send``: only the options given."""
+        return {k: v for k, v in attrs.asdict(self).items() if v is not None}
+
+
+@attrs.frozen(kw_only=True)
+class ChatRequest:
+    model: str
+    messages: tuple[ChatMessage, ...]
+    generation: Generation
+    stream: bool
+    include_usage: bool
+    user: str | None
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddingRequest:
+    model: str
+    texts: tuple[str, ...]
+    single: bool  # input was one string (the response still lists one embedding)
+    base64: bool
+    user: str | None
+
+
+@attrs.frozen(kw_only=True)
+class ResponseRequest:
+    model: str
+    #: This turn's input as messages (the last one is the user's), and as the API lists them (input_items).
+    messages: tuple[ChatMessage, ...]
+    items: tuple[dict[str, Any], ...]
+    instructions: str | None
+    previous_response_id: str | None
+    conversation: str | None
+    generation: Generation
+    stream: bool
+    store: bool
+    metadata: dict[str, str]
+    user: str | None
+    truncation: str
+
+
+@attrs.frozen(kw_only=True)
+class ConversationRequest:
+    messages: tuple[ChatMessage, ...]
+    items: tuple[dict[str, Any], ...]
+    metadata: dict[str, str]
+
+
+# --- small readers ----------------------------------------------------------------------------------------------
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _str(body: Mapping[str, Any], key: str, *, required: bool = False, max_bytes: int = 256) -> str | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise APIError(400, f"Missing required parameter: '{key}'.", param=key, code="missing_required_parameter")
+        return None
+    if not isinstance(value, str):
+        raise invalid(key, f"{key}: expected a string, given {_kind(value)}", code="invalid_type")
+    if len(value.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise invalid(key, f"{key}: at most {max_bytes} bytes, given {len(value.encode('utf-8', 'surrogatepass'))}")
+    return value
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(key, f"{key}: expected a boolean, given {_kind(value)}", code="invalid_type")
+    return value
+
+
+def _int(body: Mapping[str, Any], key: str, low: int, high: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(key, f"{key}: expected an integer, given {_kind(value)}", code="invalid_type")
+    if not low <= value <= high:
+        raise invalid(key, f"{key}: expected an integer in {low}..{high}, given {value}")
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str, low: float, high: float, *, open_low: bool = False) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise invalid(key, f"{key}: expected a number, given {_shown(value)}", code="invalid_type")
+    if value > high or value < low or (open_low and value == low):
+        bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
+        raise invalid(key, f"{key}: expected a number in {bound}, given {value}")
+    return float(value)
+
+
+def _utf8(param: str, text: str, limit: int) -> str:
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise invalid(param, f"{param}: the text is not valid UTF-8 (a lone surrogate)") from None
+    if size > limit:
+        raise invalid(param, f"{param}: at most {limit} bytes of text, given {size}", code="string_above_max_length")
+    return text
+
+
+# Parameters OpenAI defines that this gateway does not implement, with the value that asks for nothing.
+_NEUTRAL: Final[dict[str, Any]] = {
+    "n": 1,
+    "logprobs": False,
+    "top_logprobs": 0,
+    "tools": [],
+    "functions": [],
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": {},
+    "parallel_tool_calls": False,
+    "background": False,
+    "max_tool_calls": None,
+    "modalities": ["text"],
+    "include": [],
+}
+_REFUSED_WHAT: Final[dict[str, str]] = {
+    "n": "more than one choice (n > 1)",
+    "logprobs": "log probabilities",
+    "top_logprobs": "log probabilities",
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "parallel_tool_calls": "tool calling",
+    "max_tool_calls": "tool calling",
+    "response_format": "a response format other than text",
+    "text": "a text format other than plain text",
+    "presence_penalty": "presence penalties",
+    "frequency_penalty": "frequency penalties",
+    "logit_bias": "logit biases",
+    "audio": "audio output",
+    "modalities": "modalities other than text",
+    "prediction": "predicted outputs",
+    "reasoning": "reasoning options",
+    "reasoning_effort": "reasoning options",
+    "web_search_options": "web search",
+    "background": "background responses",
+    "include": "extra output data (include)",
+    "prompt": "prompt templates",
+    "service_tier": "service tiers",
+    "verbosity": "verbosity",
+    "dimensions": "a number of dimensions other than the model's",
+    "stream_options": "stream options",
+}
+
+
+def _neutral(key: str, value: Any) -> bool:
+    if key in ("tool_choice", "function_call"):
+        return value in ("none", "auto", None)
+    if key == "response_format":
+        return bool(value == {"type": "text"})
+    if key == "text":
+        return value in ({"format": {"type": "text"}}, {})
+    if key == "service_tier":
+        return value in ("auto", "default")
+    return key in _NEUTRAL and bool(value == _NEUTRAL[key])
+
+
+def _check_keys(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    for key, value in body.items():
+        if key in known:
+            continue
+        if value is None or _neutral(key, value):
+            continue
+        if key in _REFUSED_WHAT:
+            raise refused(key, _REFUSED_WHAT[key])
+        raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+
+
+def _stop(body: Mapping[str, Any], limits: Limits) -> tuple[str, ...] | None:
+    value = body.get("stop")
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop", f"stop: expected a non-empty string or an array of them, given {_shown(value)}")
+    if len(stops) > limits.max_stops:
+        raise invalid("stop", f"stop: at most {limits.max_stops} strings, given {len(stops)}")
+    for s in stops:
+        _utf8("stop", s, limits.max_stop_bytes)
+    return tuple(stops)
+
+
+def _metadata(body: Mapping[str, Any], limits: Limits) -> dict[str, str]:
+    value = body.get("metadata")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise invalid("metadata", f"metadata: expected an object of string values, given {_kind(value)}")
+    if len(value) > limits.max_metadata_pairs:
+        raise invalid("metadata", f"metadata: at most {limits.max_metadata_pairs} pairs, given {len(value)}")
+    for k, v in value.items():
+        _utf8("metadata", k, 64)
+        _utf8("metadata", v, 512)
+    return dict(value)
+
+
+_ROLES: Final = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _content(param: str, content: object, limits: Limits, part_types: frozenset[str]) -> str:
+    """A message's content as one text: a string, or a list of text parts (joined without separator)."""
+    if isinstance(content, str):
+        return _utf8(param, content, limits.max_text_bytes)
+    if not isinstance(content, list):
+        raise invalid(param, f"{param}: expected a string or an array of text parts, given {_kind(content)}")
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise invalid(where, f"{where}: expected a content part object, given {_kind(part)}")
+        kind = part.get("type")
+        if kind not in part_types:
+            raise refused(f"{where}.type", f"content of type {kind!r} (text only: {', '.join(sorted(part_types))})")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.text", f"{where}.text: expected a string, given {_kind(text)}")
+        extra = set(part) - {"type", "text", "annotations"}
+        if extra:
+            raise refused(f"{where}.{sorted(extra)[0]}", "content part fields other than type and text")
+        texts.append(text)
+    return _utf8(param, "".join(texts), limits.max_text_bytes)
+
+
+def _message(where: str, item: object, limits: Limits, part_types: frozenset[str], *, responses: bool) -> ChatMessage:
+    if not isinstance(item, dict):
+        raise invalid(where, f"{where}: expected a message object, given {_kind(item)}")
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise refused(f"{where}.type", f"input items of type {kind!r} (messages only)")
+    role = item.get("role")
+    if role not in _ROLES:
+        if role in ("tool", "function"):
+            raise refused(f"{where}.role", f"messages of role {role!r} (tool calling)")
+        raise invalid(f"{where}.role", f"{where}.role: expected one of {', '.join(_ROLES)}, given {_shown(role)}")
+    allowed = {"role", "content", "type", "id", "status"} if responses else {"role", "content"}
+    for key in item:
+        if key not in allowed and item[key] is not None:
+            raise refused(f"{where}.{key}", f"the message field {key!r}")
+    return ChatMessage(_ROLES[role], _content(f"{where}.content", item.get("content"), limits, part_types))
+
+
+def _messages(
+    where: str, value: object, limits: Limits, part_types: frozenset[str], *, responses: bool
+) -> list[ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise invalid(where, f"{where}: expected a non-empty array of messages, given {_kind(value)}")
+    if len(value) > limits.max_messages:
+        raise invalid(where, f"{where}: at most {limits.max_messages} messages, given {len(value)}")
+    return [_message(f"{where}[{i}]", m, limits, part_types, responses=responses) for i, m in enumerate(value)]
+
+
+def _body(body: object) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid(None, f"the request body must be a JSON object, given {_kind(body)}", code="invalid_json")
+    return body
+
+
+# --- the endpoints -------------------------------------------------------------------------------------------------
+
+_CHAT_KEYS: Final = frozenset(
+    {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user",
+     "stream", "stream_options", "metadata", "store"}
+)  # fmt: skip
+_CHAT_PARTS: Final = frozenset({"text"})
+
+
+def _max_tokens(body: Mapping[str, Any], keys: Sequence[str], limits: Limits) -> int | None:
+    given = [(k, _int(body, k, 1, limits.max_tokens)) for k in keys]
+    values = [(k, v) for k, v in given if v is not None]
+    if len(values) > 1 and len({v for _, v in values}) > 1:
+        raise invalid(keys[0], f"{' and '.join(keys)} differ ({values[0][1]} and {values[1][1]}); give one")
+    return values[0][1] if values else None
+
+
+def chat_request(raw: object, limits: Limits) -> ChatRequest:
+    """``POST /v1/chat/completions``: the whole conversation each request; the last message is the user's."""
+    body = _body(raw)
+    _check_keys(body, _CHAT_KEYS)
+    model = _str(body, "model", required=True)
+    assert model is not None
+    messages = _messages("messages", body.get("messages"), limits, _CHAT_PARTS, responses=False)
+    if messages[-1].role != "user":
+        raise invalid(
+            f"messages[{len(messages) - 1}].role",
+            f"the last message must be the user's (the reply follows it), given role {messages[-1].role!r}",
+        )
+    stream = _bool(body, "stream", False)
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "stream_options: only with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+            raise refused("stream_options", f"stream options other than include_usage (given {_shown(options)})")
+        include_usage = _bool(options, "include_usage", False)
+    if body.get("store") not in (None, False):
+        raise refused("store", "storing chat completions (use /v1/responses, which stores)")
+    _metadata(body, limits)
+    return ChatRequest(
+        model=model,
+        messages=tuple(messages),
+        generation=_generation(body, ("max_completion_tokens", "max_tokens"), limits),
+        stream=stream,
+        include_usage=include_usage,
+        user=_str(body, "user"),
+    )
+
+
+def _generation(body: Mapping[str, Any], max_keys: Sequence[str], limits: Limits) -> Generation:
+    return Generation(
+        max_tokens=_max_tokens(body, max_keys, limits),
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, open_low=True),
+        seed=_int(body, "seed", -_INT64_MAX - 1, _INT64_MAX),
+        stop=_stop(body, limits),
+    )
+
+
+_EMBED_KEYS: Final = frozenset({"model", "input", "encoding_format", "user"})
+
+
+def embedding_request(raw: object, limits: Limits) -> EmbeddingRequest:
+    """``POST /v1/embeddings``: ``input`` a string or an array of strings (token arrays are refused)."""
+    body = _body(raw)
+    _check_keys(body, _EMBED_KEYS)
+    model = _str(body, "model", required=True)
+    assert model is not None
+    value = body.get("input")
+    single = isinstance(value, str)
+    texts = [value] if single else value
+    if not isinstance(texts, list) or not texts:
+        raise invalid("input", f"input: expected a string or a non-empty array of strings, given {_kind(value)}")
+    if len(texts) > limits.max_embedding_inputs:
+        raise invalid("input", f"input: at most {limits.max_embedding_inputs} texts, given {len(texts)}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            if isinstance(text, int | list):
+                raise refused(f"input[{i}]", "token arrays as input (give the text)")
+            raise invalid(f"input[{i}]", f"input[{i}]: expected a string, given {_kind(text)}")
+        if not text:
+            raise invalid(f"input[{i}]", f"input[{i}]: an empty string has no embedding")
+        _utf8(f"input[{i}]", text, limits.max_embedding_text_bytes)
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64", None):
+        raise invalid("encoding_format", f"encoding_format: expected 'float' or 'base64', given {_shown(encoding)}")
+    return EmbeddingRequest(
+        model=model, texts=tuple(texts), single=single, base64=encoding == "base64", user=_str(body, "user")
+    )
+
+
+_RESPONSE_KEYS: Final = frozenset(
+    {"model", "input", "instructions", "previous_response_id", "conversation", "max_output_tokens", "temperature",
+     "top_p", "seed", "stop", "stream", "store", "metadata", "user", "truncation", "prompt_cache_key",
+     "safety_identifier", "stream_options"}
+)  # fmt: skip
+_INPUT_PARTS: Final = frozenset({"input_text", "output_text", "text"})
+
+
+def _items(where: str, value: object, limits: Limits) -> tuple[list[ChatMessage], list[dict[str, Any]]]:
+    """Input items as messages and as the API lists them (a string is one user message)."""
+    if isinstance(value, str):
+        text = _utf8(where, value, limits.max_text_bytes)
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+        return [ChatMessage("user", text)], [item]
+    messages = _messages(where, value, limits, _INPUT_PARTS, responses=True)
+    assert isinstance(value, list)  # _messages refused anything else
+    items = []
+    for m, given in zip(messages, value, strict=True):
+        role = given["role"]
+        part = "output_text" if m.role == "assistant" else "input_text"
+        items.append({"type": "message", "role": role, "content": [{"type": part, "text": m.text}]})
+    return messages, items
+
+
+def response_request(raw: object, limits: Limits) -> ResponseRequest:
+    """``POST /v1/responses``: this turn's input; the history comes from ``previous_response_id`` or
+    ``conversation``."""
+    body = _body(raw)
+    _check_keys(body, _RESPONSE_KEYS)
+    model = _str(body, "model", required=True)
+    assert model is not None
+    if body.get("input") is None:
+        raise APIError(400, "Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
+    messages, items = _items("input", body.get("input"), limits)
+    if messages[-1].role != "user":
+        raise invalid(
+            "input",
+            f"the last input item must be the user's message (the reply follows it), given {messages[-1].role!r}",
+        )
+    previous = _str(body, "previous_response_id")
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    if conversation is not None and not isinstance(conversation, str):
+        raise invalid(
+            "conversation", f"conversation: expected an id string or {{'id': ...}}, given {_kind(conversation)}"
+        )
+    if previous is not None and conversation is not None:
+        raise invalid("conversation", "previous_response_id and conversation cannot both be given; give one")
+    truncation = body.get("truncation", "disabled")
+    if truncation not in ("disabled", "auto", None):
+        raise invalid("truncation", f"truncation: expected 'auto' or 'disabled', given {_shown(truncation)}")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_obfuscation"}):
+        raise refused("stream_options", f"stream options (given {_shown(options)})")
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise refused("instructions", "instructions other than a string")
+        _utf8("instructions", instructions, limits.max_text_bytes)
+    for key in ("prompt_cache_key", "safety_identifier"):
+        _str(body, key)
+    return ResponseRequest(
+        model=model,
+        messages=tuple(messages),
+        items=tuple(items),
+        instructions=instructions,
+        previous_response_id=previous,
+        conversation=conversation,
+        generation=_generation(body, ("max_output_tokens",), limits),
+        stream=_bool(body, "stream", False),
+        store=_bool(body, "store", True),
+        metadata=_metadata(body, limits),
+        user=_str(body, "user"),
+        truncation=truncation or "disabled",
+    )
+
+
+def conversation_request(raw: object, limits: Limits) -> ConversationRequest:
+    """``POST /v1/conversations``: optional initial ``items`` (messages) and ``metadata``."""
+    body = _body(raw if raw is not None else {})
+    _check_keys(body, frozenset({"items", "metadata"}))
+    value = body.get("items")
+    messages: list[ChatMessage] = []
+    items: list[dict[str, Any]] = []
+    if value is not None and value != []:
+        messages, items = _items("items", value, limits)
+    return ConversationRequest(messages=tuple(messages), items=tuple(items), metadata=_metadata(body, limits))
