@@ -682,3 +682,71 @@ def test_cli_serves_a_running_server_and_stops_on_ctrl_c(triton_server: LocalTri
     assert "sekret" not in out + err
     assert store.exists()
 
+
+
+# --- traces ----------------------------------------------------------------------------------------------------
+
+
+async def test_a_request_is_a_span_in_the_callers_trace_with_the_chat_turn_under_it(gateway: OpenAIGateway) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from triton_npu_client import _trace as trace_module
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace_module.use_tracer_provider(provider)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    try:
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                f"{gateway.base_url}/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+            )
+        assert r.status_code == 200
+    finally:
+        trace_module.use_tracer_provider(None)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    request, turn = spans["openai.chat.completions"], spans["triton.chat.turn"]
+    assert request.context is not None
+    assert turn.parent is not None
+    assert f"{request.context.trace_id:032x}" == trace_id  # joined the caller's trace
+    assert turn.parent.span_id == request.context.span_id  # the SDK's turn hangs under the request
+
+
+# --- the server's own limits (chat_small: two conversation slots, the idle one evicted at once) -----------------
+
+
+async def test_at_the_servers_conversation_cap_a_turn_is_503_with_retry_after(gateway: OpenAIGateway) -> None:
+    async with httpx.AsyncClient() as http:
+        url = f"{gateway.base_url}/chat/completions"
+        body = {"model": "chat_small", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 1000}
+        held = [await _stream_until_first_delta(http, url, body) for _ in range(2)]  # both slots generating
+        refused = await http.post(url, json={**body, "max_tokens": 2})
+        for stream in held:
+            await stream.aclose()
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "server_at_capacity"
+    await _settled(gateway)
+
+
+async def test_a_chain_whose_conversation_the_server_evicted_is_replayed_exactly(oa: AsyncOpenAI) -> None:
+    args: dict[str, Any] = {"model": "chat_small", "max_output_tokens": TOKENS, **GREEDY}
+    r1 = await oa.responses.create(input=QUESTIONS[0], **args)
+    # Two other conversations take both slots; r1's, idle longest, is evicted for them.
+    others = [await oa.responses.create(input=q, **args) for q in QUESTIONS[3:5]]
+    r2 = await oa.responses.create(input=QUESTIONS[1], previous_response_id=r1.id, **args)
+    said = [("user", QUESTIONS[0]), ("assistant", r1.output_text), ("user", QUESTIONS[1])]
+    expected = await oa.chat.completions.create(
+        model="chat_small", messages=history(*said), max_tokens=TOKENS, **GREEDY  # type: ignore[arg-type]
+    )
+    assert r2.output_text == expected.choices[0].message.content
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{oa.base_url}".replace("/v1/", "/metrics"))).text
+    assert 'tnc_openai_replays_total{why="lost"} 1.0' in text
+    for r in (r1, r2, *others):
+        await oa.responses.delete(r.id)

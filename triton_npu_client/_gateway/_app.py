@@ -431,6 +431,15 @@ class Gateway:
                 )  # fmt: skip
             if conversation.head is not None:
                 previous = await self.store.get_response(conversation.head, owner=owner)
+                if previous is None:
+                    # The conversation's history is its latest response's: deleted, it cannot go on as it was.
+                    raise APIError(
+                        404,
+                        f"Conversation '{req.conversation}': its latest response ({conversation.head}) was deleted, "
+                        "and its history with it; start a new conversation",
+                        param="conversation",
+                        code="conversation_not_found",
+                    )
         keys = (previous.id if previous else None, conversation.id if conversation else None)
         if not self.chains.claim(*keys):
             raise APIError(
