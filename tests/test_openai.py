@@ -683,7 +683,6 @@ def test_cli_serves_a_running_server_and_stops_on_ctrl_c(triton_server: LocalTri
     assert store.exists()
 
 
-
 # --- traces ----------------------------------------------------------------------------------------------------
 
 
@@ -742,7 +741,10 @@ async def test_a_chain_whose_conversation_the_server_evicted_is_replayed_exactly
     r2 = await oa.responses.create(input=QUESTIONS[1], previous_response_id=r1.id, **args)
     said = [("user", QUESTIONS[0]), ("assistant", r1.output_text), ("user", QUESTIONS[1])]
     expected = await oa.chat.completions.create(
-        model="chat_small", messages=history(*said), max_tokens=TOKENS, **GREEDY  # type: ignore[arg-type]
+        model="chat_small",
+        messages=history(*said),
+        max_tokens=TOKENS,
+        **GREEDY,  # type: ignore[arg-type]
     )
     assert r2.output_text == expected.choices[0].message.content
     async with httpx.AsyncClient() as http:
@@ -750,3 +752,32 @@ async def test_a_chain_whose_conversation_the_server_evicted_is_replayed_exactly
     assert 'tnc_openai_replays_total{why="lost"} 1.0' in text
     for r in (r1, r2, *others):
         await oa.responses.delete(r.id)
+
+
+async def test_at_the_servers_cap_the_gateway_closes_its_oldest_open_chain_to_make_room(
+    oa: AsyncOpenAI, client: Client
+) -> None:
+    live, _ = await probe(client)
+    cap = 64  # the chat model's max_sequences; its evict_min_idle_ms (60 s) keeps idle conversations that long
+    args: dict[str, Any] = {"model": "chat", "max_output_tokens": 1, **GREEDY}
+    gate = asyncio.Semaphore(8)
+
+    async def chain(i: int) -> str:
+        async with gate:
+            return (await oa.responses.create(input=f"chain {i}", **args)).id
+
+    heads = await asyncio.gather(*(chain(i) for i in range(cap - live)))  # every slot taken
+    first = await oa.responses.retrieve(heads[0])
+    newest = await oa.responses.create(input="one more user", **args)  # refused at the cap, then given room
+    assert newest.status == "incomplete"  # one token: the cap of max_output_tokens
+    # The oldest chain was the one closed: its next turn replays it, exactly (and makes room again).
+    oldest = await oa.responses.create(input="and you?", previous_response_id=heads[0], **args)
+    said = history(("user", "chain 0"), ("assistant", first.output_text), ("user", "and you?"))
+    assert oldest.output_text == await twin(oa, said, 1)  # the twin, too, is given room
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{str(oa.base_url).removesuffix('/v1/')}/metrics")).text
+    assert "tnc_openai_chains_closed_for_room_total 3.0" in text
+    assert 'tnc_openai_replays_total{why="not_live"} 1.0' in text
+    for response_id in (*heads, newest.id, oldest.id):
+        await oa.responses.delete(response_id)
+    assert (await probe(client))[0] == live

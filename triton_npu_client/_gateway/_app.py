@@ -31,7 +31,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._errors import SequenceLost, TritonError
+from .._errors import SequenceCapacityError, SequenceLost, TritonError
 from .._jobs import score_batches
 from .._sessions import ChatMessage, ChatReply, ChatSession, ChatState
 from .._trace import AVAILABLE as TRACING
@@ -329,6 +329,31 @@ class Gateway:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
+    async def _send(self, chat: ChatSession, text: str, options: dict[str, Any]) -> AsyncGenerator[str, None]:
+        """``chat.send``, making room once when the server is at its conversation cap.
+
+        The chains this gateway keeps open hold conversations on the server; while they are idle (but not yet
+        idle long enough for the server to evict them) they could refuse every new conversation. So a turn the
+        server refuses for capacity, before any text, closes this gateway's least recently used open chain (its
+        next turn replays it) and is sent again, once. A refused START is no acknowledgement: the chat is intact.
+        """
+        try:
+            first = True
+            pieces = chat.send(text, **options)
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    first = False
+                    yield piece
+            return
+        except SequenceCapacityError:
+            if not first or not await self.chains.close_oldest():
+                raise
+        self.metrics.made_room.inc()
+        pieces = chat.send(text, **options)
+        async with contextlib.aclosing(pieces):
+            async for piece in pieces:
+                yield piece
+
     # -- models -------------------------------------------------------------------------------------------------
 
     async def list_models(self) -> dict[str, Any]:
@@ -390,7 +415,7 @@ class Gateway:
         history, last = req.messages[:-1], req.messages[-1]
         chat = self.client.chat(req.model, history=history, replay_on_loss=True, timeout_s=self.options.timeout_s)
         try:
-            pieces = chat.send(last.text, **req.generation.options())
+            pieces = self._send(chat, last.text, req.generation.options())
             first = True
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
@@ -497,7 +522,7 @@ class Gateway:
         committed = False
         turn.ran = True
         try:
-            pieces = chat.send(req.messages[-1].text, **req.generation.options())
+            pieces = self._send(chat, req.messages[-1].text, req.generation.options())
             first = True
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:

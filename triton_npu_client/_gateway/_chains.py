@@ -10,6 +10,8 @@ chat holds the conversation's sequence (its KV cache on one replica). This regis
 - **Bounded.** At most ``max_live`` chats are kept; beyond it, and after ``idle_s`` without a turn, the least
   recently used chat is closed (END frees its conversation on the server). Its chain is not lost: the store keeps
   its messages, and the next turn replays them into a fresh conversation (prefix blocks shared where they remain).
+- **Room at the server's cap.** When the server refuses a new conversation at its cap, :meth:`Chains.close_oldest`
+  closes the least recently used open chat at once, so idle chains never lock new users out.
 - **Closing the gateway** detaches the chats (their conversations stay on the server for the model's idle timeout)
   when the store survives the gateway, so a restarted gateway resumes them; otherwise it closes them.
 """
@@ -88,6 +90,15 @@ class Chains:
         if entry is None:
             return False
         await entry[0].aclose()
+        return True
+
+    async def close_oldest(self) -> bool:
+        """Close the least recently used open chat now (the server is at its cap); whether there was one."""
+        if not self._live:
+            return False
+        head, (chat, _) = self._live.popitem(last=False)
+        await chat.aclose()
+        await self._on_close(head)
         return True
 
     def _close_later(self, head: str, chat: ChatSession) -> None:

@@ -56,5 +56,11 @@ class Metrics:
             registry=r,
         )
 
+        self.made_room = Counter(
+            "tnc_openai_chains_closed_for_room",
+            "Open chains closed because the server refused a new conversation at its cap (their next turn replays)",
+            registry=r,
+        )
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,8 +7,8 @@
             print(gateway.base_url)          # http://127.0.0.1:9000/v1: give it to OpenAI(base_url=...)
             await gateway.wait()             # until stop() (the CLI calls it on Ctrl-C)
 
-Why uvicorn, and why in-loop: it is the ASGI server the Starlette and FastAPI ecosystem runs on (h11 only, no
-compiled extras needed), and running it in the client's loop keeps every chat, stream and the fleet's background
+Why uvicorn, and why in-loop: it is the ASGI server the Starlette and FastAPI ecosystem runs on (its HTTP parser
+httptools where installed, pure-Python h11 otherwise), and running it in the client's loop keeps every chat, stream and the fleet's background
 checks on one loop, as the SDK requires. Its own signal handling is left out: the owner decides what a signal means.
 """
 
@@ -19,7 +19,7 @@ import contextlib
 import socket
 from collections.abc import Generator
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Final, Self
 
 import uvicorn
 
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from .._client import Client
 
 __all__ = ["OpenAIGateway"]
+
+#: Seconds an idle keep-alive connection is kept open (nginx's default).
+KEEP_ALIVE_S: Final = 75
 
 
 class _Server(uvicorn.Server):
@@ -85,9 +88,13 @@ class OpenAIGateway:
 
     async def __aenter__(self) -> Self:
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for a listening socket made
+        # so; without it Nagle holds a stream's first events behind its headers until the client's delayed ACK
+        # (~40 ms on every follow-up turn). Set on the listener too: Linux copies it to what it accepts.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((self._host, self._port))
         except OSError as err:
             sock.close()
@@ -99,8 +106,11 @@ class OpenAIGateway:
             lifespan="on",
             access_log=False,
             timeout_graceful_shutdown=int(max(self._grace_s, 1)),
+            # Longer than the clients' own idle expiry (the openai client's is 5 s, uvicorn's default too): a
+            # server that closes an idle connection first races a request just sent on it.
+            timeout_keep_alive=KEEP_ALIVE_S,
             ws="none",
-            http="h11",
+            http="auto",  # httptools (the openai extra brings it) parses in C; h11 where it is missing
         )
         self._server = server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="triton-npu-openai")
