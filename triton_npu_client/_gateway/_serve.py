@@ -8,8 +8,9 @@
             await gateway.wait()             # until stop() (the CLI calls it on Ctrl-C)
 
 Why uvicorn, and why in-loop: it is the ASGI server the Starlette and FastAPI ecosystem runs on (its HTTP parser
-httptools where installed, pure-Python h11 otherwise), and running it in the client's loop keeps every chat, stream and the fleet's background
-checks on one loop, as the SDK requires. Its own signal handling is left out: the owner decides what a signal means.
+httptools where installed, pure-Python h11 otherwise), and running it in the client's loop keeps every chat, stream
+and the fleet's background checks on one loop, as the SDK requires. Its own signal handling is left out: the owner
+decides what a signal means.
 """
 
 from __future__ import annotations
