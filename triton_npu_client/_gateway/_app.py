@@ -203,6 +203,20 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
+@attrs.frozen(kw_only=True)
+class _Head:
+    """The response a turn continues: from the store, or from the open chat under it (no store read)."""
+
+    id: str
+    model: str
+    messages: tuple[tuple[str, str], ...]
+    chat_state: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, record: StoredResponse) -> _Head:
+        return cls(id=record.id, model=record.model, messages=record.messages, chat_state=record.chat_state)
+
+
 @attrs.define
 class _Turn:
     """A Responses turn made ready: its chat, how the chat was reached, and what it continues."""
@@ -211,7 +225,7 @@ class _Turn:
     owner: str
     chat: ChatSession
     how: str  # "new", "live", "resumed" or "replayed"
-    previous: StoredResponse | None
+    previous: _Head | None
     conversation: StoredConversation | None
     keys: tuple[str | None, ...]
     id: str = attrs.field(factory=lambda: _new_id("resp"))
@@ -237,6 +251,7 @@ class Gateway:
         self._closing: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
+        await self.catalog.aclose()
         chats = await self.chains.aclose(detach=self.options.detach_on_close)
         if self.options.detach_on_close:
             await asyncio.gather(*(chat.detach() for _, chat in chats), return_exceptions=True)
@@ -436,10 +451,17 @@ class Gateway:
     async def prepare(self, req: ResponseRequest, owner: str) -> _Turn:
         """Find what the turn continues, claim it and reach its chat; nothing is generated yet."""
         await self.served(req.model, "chat")
-        previous: StoredResponse | None = None
+        previous: _Head | None = None
         conversation: StoredConversation | None = None
         if req.previous_response_id is not None:
-            previous = await self.store.get_response(req.previous_response_id, owner=owner)
+            live = self.chains.peek(req.previous_response_id, owner)
+            if live is not None:
+                chat, model = live
+                previous = _Head(id=req.previous_response_id, model=model, messages=_pairs(chat.messages),
+                                 chat_state=None)  # fmt: skip
+            else:
+                record = await self.store.get_response(req.previous_response_id, owner=owner)
+                previous = None if record is None else _Head.of(record)
             if previous is None:
                 raise APIError(
                     404,
@@ -455,7 +477,8 @@ class Gateway:
                     code="conversation_not_found",
                 )  # fmt: skip
             if conversation.head is not None:
-                previous = await self.store.get_response(conversation.head, owner=owner)
+                record = await self.store.get_response(conversation.head, owner=owner)
+                previous = None if record is None else _Head.of(record)
                 if previous is None:
                     # The conversation's history is its latest response's: deleted, it cannot go on as it was.
                     raise APIError(
@@ -485,7 +508,7 @@ class Gateway:
         )
 
     async def _chat_for(
-        self, req: ResponseRequest, previous: StoredResponse | None, conversation: StoredConversation | None
+        self, req: ResponseRequest, previous: _Head | None, conversation: StoredConversation | None
     ) -> tuple[ChatSession, str]:
         base: tuple[ChatMessage, ...] = ()
         if previous is not None:
@@ -556,7 +579,7 @@ class Gateway:
         """The turn did not complete (rolled back on the server): the chain stays where it was."""
         chat = turn.chat
         if turn.how in ("live", "resumed") and turn.previous is not None and chat.is_open and not chat.is_lost:
-            self.chains.adopt(turn.previous.id, chat)
+            self.chains.adopt(turn.previous.id, chat, owner=turn.owner, model=turn.previous.model)
         else:
             self._close_later(chat)
 
@@ -595,7 +618,7 @@ class Gateway:
                 # Another gateway moved the conversation meanwhile: this response stays, outside it.
                 _log.warning("conversation %s moved while a turn ran; response %s left out", turn.conversation.id,
                              turn.id)  # fmt: skip
-        self.chains.adopt(turn.id, chat)
+        self.chains.adopt(turn.id, chat, owner=turn.owner, model=req.model)
 
     def response_body(self, turn: _Turn, *, status: str | None = None) -> dict[str, Any]:
         req = turn.request
@@ -764,7 +787,8 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
         slot = gateway.turn_slot()
         slot.__enter__()
         try:
-            turn = await _until_disconnect(request, gateway.prepare(req, owner))
+            # Short (a store read at most): a client gone meanwhile is seen by the turn's own watch.
+            turn = await gateway.prepare(req, owner)
         except BaseException:
             slot.__exit__(None, None, None)
             raise

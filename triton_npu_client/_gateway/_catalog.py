@@ -9,8 +9,8 @@ A model is listed when its config fits one of two shapes:
   ``server_models/minilm``).
 
 Everything else (the encoder's own steps, the stateless chat twin, test models) is left out. The catalog is read
-from the server's repository index and each READY model's config, cached for a few seconds; a request naming a
-model not in it reads it again once before answering 404.
+from the server's repository index and each READY model's config, cached (a stale read is renewed in the
+background); a request naming a model not in it reads it again once before answering 404.
 """
 
 from __future__ import annotations
@@ -78,21 +78,43 @@ class Catalog:
     def __init__(self, client: Client) -> None:
         self._client = client
         self._models: dict[str, ServedModel] = {}
-        self._read_at = -FRESH_S
+        self._read_at: float | None = None
         self._lock = asyncio.Lock()
+        self._refreshing: asyncio.Task[None] | None = None
 
     async def models(self, *, refresh: bool = False) -> dict[str, ServedModel]:
-        async with self._lock:
-            if refresh or time.monotonic() - self._read_at >= FRESH_S:
-                self._models = await self._read()
-                self._read_at = time.monotonic()
-            return self._models
+        """The served models. A stale read is refreshed in the background, so no request waits for the dozens of
+        config reads a refresh takes; only the first read, or ``refresh=True``, waits for it."""
+        if refresh or self._read_at is None:
+            await self._refresh()
+        elif time.monotonic() - self._read_at >= FRESH_S and self._refreshing is None:
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh_quietly())
+        return self._models
 
     async def find(self, name: str) -> ServedModel | None:
         known = (await self.models()).get(name)
         if known is None:
             known = (await self.models(refresh=True)).get(name)
         return known
+
+    async def _refresh(self) -> None:
+        async with self._lock:
+            self._models = await self._read()
+            self._read_at = time.monotonic()
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self._refresh()
+        except TritonError:
+            pass  # the server is unreachable now: requests say so themselves; the last read stays
+        finally:
+            self._refreshing = None
+
+    async def aclose(self) -> None:
+        task, self._refreshing = self._refreshing, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _read(self) -> dict[str, ServedModel]:
         client = self._client

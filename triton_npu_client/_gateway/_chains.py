@@ -35,7 +35,8 @@ SWEEP_S: Final = 5.0
 
 class Chains:
     def __init__(self, *, max_live: int, idle_s: float, on_close: Callable[[str], Awaitable[None]]) -> None:
-        self._live: OrderedDict[str, tuple[ChatSession, float]] = OrderedDict()
+        # head response id -> (its open chat, when it was last used, the owner and model of the head response)
+        self._live: OrderedDict[str, tuple[ChatSession, float, str, str]] = OrderedDict()
         self._claimed: set[str] = set()
         self._max_live = max_live
         self._idle_s = idle_s
@@ -68,18 +69,23 @@ class Chains:
         entry = self._live.pop(head, None)
         if entry is None:
             return None
-        chat, _ = entry
+        chat = entry[0]
         return chat if chat.is_open else None
 
-    def is_live(self, head: str) -> bool:
-        return head in self._live
+    def peek(self, head: str, owner: str) -> tuple[ChatSession, str] | None:
+        """The open chat under ``head`` and its model, when ``owner``'s (left in place): a turn continuing it needs
+        no read of the store before its first token."""
+        entry = self._live.get(head)
+        if entry is None or entry[2] != owner or not entry[0].is_open:
+            return None
+        return entry[0], entry[3]
 
-    def adopt(self, head: str, chat: ChatSession) -> None:
+    def adopt(self, head: str, chat: ChatSession, *, owner: str, model: str) -> None:
         """Keep ``chat`` as the live conversation of the chain whose latest response is ``head``."""
-        self._live[head] = (chat, time.monotonic())
+        self._live[head] = (chat, time.monotonic(), owner, model)
         self._live.move_to_end(head)
         while len(self._live) > self._max_live:
-            old, (oldest, _) = self._live.popitem(last=False)
+            old, (oldest, *_) = self._live.popitem(last=False)
             self._close_later(old, oldest)
         if self._sweeper is None and self._idle_s > 0:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="triton-npu-openai-chains")
@@ -96,7 +102,7 @@ class Chains:
         """Close the least recently used open chat now (the server is at its cap); whether there was one."""
         if not self._live:
             return False
-        head, (chat, _) = self._live.popitem(last=False)
+        head, (chat, *_) = self._live.popitem(last=False)
         await chat.aclose()
         await self._on_close(head)
         return True
@@ -114,7 +120,7 @@ class Chains:
         while True:
             await asyncio.sleep(min(SWEEP_S, self._idle_s))
             now = time.monotonic()
-            for head, (chat, used) in list(self._live.items()):
+            for head, (chat, used, *_) in list(self._live.items()):
                 if now - used >= self._idle_s:
                     del self._live[head]
                     self._close_later(head, chat)
@@ -126,7 +132,7 @@ class Chains:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
-        chats = [(head, chat) for head, (chat, _) in self._live.items()]
+        chats = [(head, entry[0]) for head, entry in self._live.items()]
         self._live.clear()
         if not detach:
             await asyncio.gather(*(chat.aclose() for _, chat in chats), return_exceptions=True)
