@@ -12,6 +12,7 @@ import asyncio
 import base64
 import concurrent.futures
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from triton_npu_client import Client, LocalTriton, score_batches
-from triton_npu_client._gateway import GatewayOptions, OpenAIGateway, SQLiteStore
+from triton_npu_client._gateway import GatewayOptions, MemoryStore, OpenAIGateway, SQLiteStore
 
 TOKENS = 8
 GREEDY: dict[str, Any] = {"temperature": 0}
@@ -719,14 +720,24 @@ async def test_a_request_is_a_span_in_the_callers_trace_with_the_chat_turn_under
 # --- the server's own limits (chat_small: two conversation slots, the idle one evicted at once) -----------------
 
 
-async def test_at_the_servers_conversation_cap_a_turn_is_503_with_retry_after(gateway: OpenAIGateway) -> None:
-    async with httpx.AsyncClient() as http:
-        url = f"{gateway.base_url}/chat/completions"
-        body = {"model": "chat_small", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 1000}
-        held = [await _stream_until_first_delta(http, url, body) for _ in range(2)]  # both slots generating
-        refused = await http.post(url, json={**body, "max_tokens": 2})
-        for stream in held:
+async def test_at_the_servers_conversation_cap_a_turn_is_503_with_retry_after(
+    gateway: OpenAIGateway, client: Client
+) -> None:
+    # Both slots held by replies that cannot end soon (MIN_TOKENS): a generating conversation is never evicted.
+    held = [client.chat("chat_small", min_tokens=1200, max_tokens=1200) for _ in range(2)]
+    streams = [chat.send("go on") for chat in held]
+    for stream in streams:
+        await anext(stream)
+    try:
+        async with httpx.AsyncClient() as http:
+            refused = await http.post(
+                f"{gateway.base_url}/chat/completions",
+                json={"model": "chat_small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
+    finally:
+        for stream, chat in zip(streams, held, strict=True):
             await stream.aclose()
+            await chat.aclose()
     assert refused.status_code == 503, refused.text
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "server_at_capacity"
@@ -747,10 +758,11 @@ async def test_a_chain_whose_conversation_the_server_evicted_is_replayed_exactly
         **GREEDY,  # type: ignore[arg-type]
     )
     assert r2.output_text == expected.choices[0].message.content
+    r3 = await oa.responses.create(input=QUESTIONS[2], previous_response_id=r2.id, **args)  # live again
     async with httpx.AsyncClient() as http:
         text = (await http.get(f"{oa.base_url}".replace("/v1/", "/metrics"))).text
-    assert 'tnc_openai_replays_total{why="lost"} 1.0' in text
-    for r in (r1, r2, *others):
+    assert 'tnc_openai_replays_total{why="lost"} 1.0' in text  # r2's replay, not r3's live turn
+    for r in (r1, r2, r3, *others):
         await oa.responses.delete(r.id)
 
 
@@ -781,3 +793,77 @@ async def test_at_the_servers_cap_the_gateway_closes_its_oldest_open_chain_to_ma
     for response_id in (*heads, newest.id, oldest.id):
         await oa.responses.delete(response_id)
     assert (await probe(client))[0] == live
+
+
+async def test_another_keys_delete_of_a_busy_response_is_404_and_leaves_the_owner_alone(client: Client) -> None:
+    options = GatewayOptions(api_keys=("key-a", "key-b"))
+    async with OpenAIGateway(client, port=0, options=options) as gw, httpx.AsyncClient() as http:
+        a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+        r1 = (await http.post(f"{gw.base_url}/responses", headers=a,
+                              json={"model": "chat", "input": "hi", "max_output_tokens": 2})).json()  # fmt: skip
+        body = {"model": "chat", "input": "go on", "previous_response_id": r1["id"], "max_output_tokens": 64}
+        http.headers.update(a)
+        running = await _stream_until_first_delta(http, f"{gw.base_url}/responses", body)
+        foreign = await http.delete(f"{gw.base_url}/responses/{r1['id']}", headers=b)
+        own = await http.delete(f"{gw.base_url}/responses/{r1['id']}", headers=a)
+        await running.aclose()
+        await _settled(gw)
+    assert foreign.status_code == 404  # indistinguishable from an unknown id, busy or not
+    assert own.status_code == 409  # the owner is told it is busy
+
+
+class _GatedStore(MemoryStore):
+    """A store whose forget_chat_state waits for the test: a commit held open at will."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def forget_chat_state(self, id: str, /) -> bool:
+        self.entered.set()
+        await self.gate.wait()
+        return await super().forget_chat_state(id)
+
+
+async def test_a_client_that_leaves_while_its_finished_turn_is_stored_still_gets_it_stored(client: Client) -> None:
+    store = _GatedStore()
+    async with OpenAIGateway(client, port=0, store=store) as gw, httpx.AsyncClient() as http:
+        oa = AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        store.gate.set()
+        r1 = await oa.responses.create(model="chat", input=QUESTIONS[0], max_output_tokens=TOKENS, **GREEDY)
+        store.gate.clear()
+        body = {"model": "chat", "input": QUESTIONS[1], "previous_response_id": r1.id, "max_output_tokens": TOKENS,
+                "temperature": 0}  # fmt: skip
+        payload = json.dumps(body).encode()
+        _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(
+            b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        await writer.drain()
+        await store.entered.wait()  # the reply is complete on the server; the gateway is storing it
+        writer.close()  # the client goes away now
+        await writer.wait_closed()
+        metrics = f"{gw.url}/metrics"
+        for _ in range(2000):  # until the gateway has seen it leave (no event to await)
+            if 'endpoint="/v1/responses",status="499"' in (await http.get(metrics)).text:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError("the gateway never saw the client leave")
+        store.gate.set()
+        await _settled(gw)
+        # The turn was not rolled back: it was stored, and r1 is no longer its sequence's head, so naming r1
+        # again forks from r1's own history (the left turn is not in it).
+        r2 = await oa.responses.create(
+            model="chat", input=QUESTIONS[2], previous_response_id=r1.id, max_output_tokens=TOKENS, **GREEDY
+        )
+        said = [("user", QUESTIONS[0]), ("assistant", r1.output_text), ("user", QUESTIONS[2])]
+        expected = await oa.chat.completions.create(model="chat", messages=history(*said), max_tokens=TOKENS, **GREEDY)  # type: ignore[arg-type]
+        assert r2.output_text == expected.choices[0].message.content
+        assert r2.usage is not None
+        assert expected.usage is not None
+        assert r2.usage.input_tokens == expected.usage.prompt_tokens
+        await oa.close()

@@ -542,8 +542,9 @@ class Gateway:
         """The turn's text pieces; at the end the turn is stored (or its chat closed) and ``turn.reply`` set."""
         req = turn.request
         chat = turn.chat
-        committed = False
+        turns_before = chat.turns
         turn.ran = True
+        commit: asyncio.Task[None] | None = None
         try:
             pieces = self._send(chat, req.messages[-1].text, req.generation.options())
             first = True
@@ -553,20 +554,36 @@ class Gateway:
                         self.metrics.ttft.labels("/v1/responses").observe(time.perf_counter() - started)
                         first = False
                     yield piece
-            turn.reply = chat.last_reply
-            if chat.replays:
-                self.metrics.replays.labels("lost").inc()
-            elif turn.how == "replayed":
-                self.metrics.replays.labels("not_live").inc()
-            await self._commit(turn)
-            committed = True
         except TritonError as err:
             raise from_sdk(err) from None
         finally:
-            self.chains.release(*turn.keys)
-            if not committed:
+            if chat.turns > turns_before:
+                # The server holds the turn (the chat commits it at its last response, even when the client leaves
+                # at that very piece): it is stored, or its chat closed, whatever happens to this request now. The
+                # commit runs as a task of its own, so a cancellation cannot cut it in half, and the chain's claims
+                # are released only once it is done.
+                turn.reply = chat.last_reply
+                if turn.reply is not None and turn.reply.replayed:
+                    self.metrics.replays.labels("lost").inc()
+                elif turn.how == "replayed":
+                    self.metrics.replays.labels("not_live").inc()
+                commit = asyncio.get_running_loop().create_task(self._commit(turn))
+                self._closing.add(commit)
+                commit.add_done_callback(lambda task: self._committed(turn, task))
+            else:
+                self.chains.release(*turn.keys)
                 self._abandon(turn)
-            self.metrics.live_chains.set(len(self.chains))
+                self.metrics.live_chains.set(len(self.chains))
+        if commit is None:  # the SDK ends a turn with its reply or an error: never expected
+            raise APIError(500, "the turn ended without a reply", type="server_error", code="server_error")
+        await asyncio.shield(commit)
+
+    def _committed(self, turn: _Turn, task: asyncio.Task[None]) -> None:
+        self._closing.discard(task)
+        self.chains.release(*turn.keys)
+        self.metrics.live_chains.set(len(self.chains))
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("storing response %s failed", turn.id, exc_info=task.exception())
 
     def settle(self, turn: _Turn) -> None:
         """For a turn whose stream ended before it ran (the client left at once): undo what prepare() did."""
@@ -584,6 +601,13 @@ class Gateway:
             self._close_later(chat)
 
     async def _commit(self, turn: _Turn) -> None:
+        try:
+            await self._store_turn(turn)
+        except BaseException:
+            self._close_later(turn.chat)  # not stored: nothing may continue this chat's history
+            raise
+
+    async def _store_turn(self, turn: _Turn) -> None:
         req = turn.request
         chat = turn.chat
         reply = turn.reply
@@ -675,6 +699,9 @@ class Gateway:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     async def delete_response(self, response_id: str, owner: str) -> dict[str, Any]:
+        # Found for this owner first: another key's id must read as unknown (404), never as busy (409).
+        if await self.store.get_response(response_id, owner=owner) is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
         if not self.chains.claim(response_id):
             raise APIError(409, "a turn continuing this response is still running", code="conversation_busy")
         try:
@@ -867,6 +894,9 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
 
     async def delete_conversation(request: Request, owner: str) -> Response:
         conv_id = request.path_params["id"]
+        # Found for this owner first: another key's id must read as unknown (404), never as busy (409).
+        if await gateway.store.get_conversation(conv_id, owner=owner) is None:
+            raise APIError(404, f"Conversation with id '{conv_id}' not found.", code="conversation_not_found")
         if not gateway.chains.claim(conv_id):
             raise APIError(409, "a turn in this conversation is still running", code="conversation_busy")
         try:
