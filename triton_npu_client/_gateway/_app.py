@@ -137,6 +137,45 @@ def _sse(data: Any, event: str | None = None) -> bytes:
     return f"{head}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
+class _Ahead:
+    """``source``'s items, the first one asked for at once, in a task of its own.
+
+    A stream's opening events (Responses: created, in_progress, the item, its part; Chat Completions: the role chunk)
+    need nothing from the model: asking for the first piece before writing them sends the turn to the server at
+    once, so its prefill overlaps the events' writing and the client's reading of them.
+    """
+
+    def __init__(self, source: AsyncIterator[Any]) -> None:
+        self._source = source
+
+        async def first() -> tuple[bool, Any]:
+            try:
+                return True, await anext(source)
+            except StopAsyncIteration:
+                return False, None
+
+        self._first: asyncio.Task[tuple[bool, Any]] | None = asyncio.ensure_future(first())
+
+    def __aiter__(self) -> _Ahead:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._first is not None:
+            task, self._first = self._first, None
+            found, item = await task
+            if not found:
+                raise StopAsyncIteration
+            return item
+        return await anext(self._source)
+
+    async def aclose(self) -> None:
+        task, self._first = self._first, None
+        if task is not None:
+            task.cancel()  # the source must not run in that task while it is closed here
+            await asyncio.gather(task, return_exceptions=True)
+        await self._source.aclose()  # type: ignore[attr-defined]
+
+
 async def _disconnected(receive: Receive) -> None:
     """Returns when the client has gone (the body is read by then, so nothing else is received)."""
     while True:
@@ -1049,9 +1088,9 @@ async def _chat_chunks(
         body.update(extra)
         return _sse(body)
 
-    yield chunk({"role": "assistant", "content": ""}, None)
     try:
-        async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
+        async with contextlib.aclosing(_Ahead(events)) as stream:
+            yield chunk({"role": "assistant", "content": ""}, None)
             async for kind, value in stream:
                 if kind == "piece":
                     yield chunk({"content": value}, None)
@@ -1087,24 +1126,25 @@ async def _response_events(gateway: Gateway, turn: _Turn, pieces: AsyncIterator[
         number += 1
         return _sse(data, kind)
 
-    yield event("response.created", response=gateway.response_body(turn))
-    yield event("response.in_progress", response=gateway.response_body(turn))
-    yield event("response.output_item.added", output_index=0, item=gateway.message_item(turn, None, "in_progress"))
     ids = {"item_id": turn.message_id, "output_index": 0, "content_index": 0}
-    yield event("response.content_part.added", **ids, part=gateway.text_part(""))
     parts: list[str] = []
-    try:
-        async with contextlib.aclosing(pieces) as stream:  # type: ignore[type-var]
+    async with contextlib.aclosing(_Ahead(pieces)) as stream:
+        yield event("response.created", response=gateway.response_body(turn))
+        yield event("response.in_progress", response=gateway.response_body(turn))
+        item = gateway.message_item(turn, None, "in_progress")
+        yield event("response.output_item.added", output_index=0, item=item)
+        yield event("response.content_part.added", **ids, part=gateway.text_part(""))
+        try:
             async for piece in stream:
                 parts.append(piece)
                 yield event("response.output_text.delta", **ids, delta=piece, logprobs=[])
-    except (APIError, TritonError) as err:
-        error = _error_event(err)
-        yield event("error", code=error["code"], message=error["message"], param=error["param"])
-        body = gateway.response_body(turn, status="failed")
-        body["error"] = {"code": error["code"] or "server_error", "message": error["message"]}
-        yield event("response.failed", response=body)
-        return
+        except (APIError, TritonError) as err:
+            error = _error_event(err)
+            yield event("error", code=error["code"], message=error["message"], param=error["param"])
+            body = gateway.response_body(turn, status="failed")
+            body["error"] = {"code": error["code"] or "server_error", "message": error["message"]}
+            yield event("response.failed", response=body)
+            return
     text = "".join(parts)
     yield event("response.output_text.done", **ids, text=text, logprobs=[])
     yield event("response.content_part.done", **ids, part=gateway.text_part(text))
