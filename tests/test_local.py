@@ -549,3 +549,37 @@ async def test_the_packaged_configs_are_the_same_without_tritons_auto_complete(
         assert set(models) < set(names)  # the ensemble brought its steps
         for name in names:
             assert await on.model_config(name) == await off.model_config(name), name
+
+
+def test_what_a_dead_launcher_left_is_swept_and_a_live_ones_is_not(tmp_path: Path) -> None:
+    """A launcher ended by SIGTERM/SIGKILL leaves its temp folder, and maybe a stub still running from it: the next
+    start (sweep_leftovers) kills what runs from a dead owner's folder and removes it; a live owner's stays."""
+    with subprocess.Popen([sys.executable, "-c", "pass"]) as gone:
+        gone.wait()
+    dead = tmp_path / f"{_local.temp_folder_prefix(gone.pid)}abc"
+    live = tmp_path / f"{_local.temp_folder_prefix()}xyz"
+    for folder in (dead, live):
+        (folder / "backends" / "python").mkdir(parents=True)
+        (folder / "tritonserver.log").write_text("log\n")
+
+    def stub_from(folder: Path) -> subprocess.Popen[bytes]:
+        # A process whose command line runs from the folder's backend copy, as a Python-backend stub does.
+        stub = f"{folder}/backends/python/triton_python_backend_stub"
+        return subprocess.Popen(["bash", "-c", f"exec -a {stub} sleep 120"])
+
+    orphan, kept = stub_from(dead), stub_from(live)
+    try:
+        for proc in (orphan, kept):  # until each has exec'd (its command line names the folder)
+            for _ in range(1000):
+                if str(dead if proc is orphan else live).encode() in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+                    break
+                time.sleep(0.005)
+        assert _local.sweep_leftovers(tmp_path) == [dead]
+        assert orphan.wait(timeout=10) == -signal.SIGKILL
+        assert not dead.exists()
+        assert live.is_dir()
+        assert kept.poll() is None
+    finally:
+        for proc in (orphan, kept):
+            proc.kill()
+            proc.wait()

@@ -100,6 +100,75 @@ def temp_folder_prefix(pid: int | None = None) -> str:
     return f"{TEMP_PREFIX}{os.getpid() if pid is None else pid}-"
 
 
+_LEFTOVER = re.compile(rf"^{re.escape(TEMP_PREFIX)}(\d+)-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def _running_from(folder: Path) -> list[int]:
+    """This user's processes whose command line runs something inside ``folder`` (a stub from its backend copy)."""
+    inside = f"{folder}/".encode()
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            if inside in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def sweep_leftovers(folder: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove what launchers that died without stopping left in ``folder`` (default: the temp folder); the removed.
+
+    A script ended by SIGTERM or SIGKILL (a ``timeout``, a container stop) never runs its cleanup: its temp folder
+    (the backend copy and the log, a few MB) stays, and a stub of a server that died under it may still run from
+    that copy (stubs ignore SIGTERM). A folder is its owner's, named by the owner's pid (:func:`temp_folder_prefix`);
+    once that pid is gone, whatever still runs from the folder is killed (SIGKILL) and the folder removed. Only this
+    user's folders and processes are touched; a pid that is alive (or reused) keeps its folder. Never raises.
+    """
+    root = Path(folder) if folder is not None else Path(tempfile.gettempdir())
+    removed: list[Path] = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _LEFTOVER.match(entry.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        orphans = _running_from(entry)
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + _REAP_TIMEOUT_S
+        while orphans and _running_from(entry) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the kernel tears the killed processes down; nothing to wait on but /proc
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed.append(entry)
+            _log.info("removed %s, left by launcher pid %s (%d processes still ran from it)", entry,
+                      match.group(1), len(orphans))  # fmt: skip
+    return removed
+
+
 def _bundled_root() -> tuple[Path, Path] | None:
     """(tritonserver folder, shared-library folder) of the installed nvidia-pytriton, if any."""
     try:
@@ -353,6 +422,8 @@ class LocalTriton:
         self.binary = binary
         if not self.model_repository.is_dir():
             raise LocalServerError(f"Model repository {self.model_repository} is not a directory.")
+        # What launchers that died without stopping left (their folders, stubs still running from them) goes first.
+        sweep_leftovers()
         self._workdir = Path(tempfile.mkdtemp(prefix=temp_folder_prefix()))
         self._log_file = self._workdir / "tritonserver.log"
         self._active = True
