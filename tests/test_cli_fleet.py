@@ -126,7 +126,7 @@ def test_fleet_all_ready_exits_0_and_a_dns_name_lists_its_addresses(
         (["--url", "grpc://127.0.0.1:8001,http://127.0.0.1:8000"], "must all be gRPC"),
         (["--url", "grpc://127.0.0.1:8001", "--url", "https://127.0.0.1:8000"], "must all be gRPC"),
         (["--url", "grpc://user:hunter2@127.0.0.1:8001"], "user info"),
-        (["--url", "127.0.0.1:8001"], "unsupported URL scheme"),
+        (["--url", "ftp://127.0.0.1:8001"], "unsupported URL scheme"),
         (["--url", "grpc://127.0.0.1:8001,"], "empty URL"),
         (["--url", "grpc://127.0.0.1:99999"], "port"),
         ([], "required: --url"),
@@ -134,8 +134,10 @@ def test_fleet_all_ready_exits_0_and_a_dns_name_lists_its_addresses(
     ],
 )
 def test_fleet_usage_mistakes_are_one_line_and_exit_2(
-    args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+    args: list[str], expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    for name in ("TRITON_URL", "TRITON_URLS"):
+        monkeypatch.delenv(name, raising=False)  # else --url has a default
     code = exit_code(["fleet", *args])
     out, err = capsys.readouterr()
     assert code == 2
@@ -144,6 +146,27 @@ def test_fleet_usage_mistakes_are_one_line_and_exit_2(
     assert err.startswith("triton-npu fleet: "), err
     assert expected in err, err
     assert "hunter2" not in err
+
+
+def test_a_url_without_a_scheme_is_grpc_and_triton_url_is_the_default(
+    triton_server: LocalTriton, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = triton_server.grpc_port
+    monkeypatch.delenv("TRITON_URLS", raising=False)
+    monkeypatch.delenv("TRITON_URL", raising=False)
+    assert main(["fleet", "--url", f"127.0.0.1:{port}"]) == 0
+    assert list(rows(capsys.readouterr().out)) == [f"grpc://127.0.0.1:{port}"]
+    monkeypatch.setenv("TRITON_URL", f"127.0.0.1:{port}")
+    assert main(["fleet"]) == 0  # no --url: $TRITON_URL
+    assert list(rows(capsys.readouterr().out)) == [f"grpc://127.0.0.1:{port}"]
+    monkeypatch.setenv("TRITON_URLS", f"grpc://127.0.0.1:{port},localhost:{port}")
+    assert main(["fleet"]) == 0  # $TRITON_URLS first
+    assert sorted(rows(capsys.readouterr().out)) == [f"grpc://127.0.0.1:{port}", f"grpc://localhost:{port}"]
+    monkeypatch.setenv("TRITON_URLS", f"grpc://127.0.0.1:{port},")
+    assert exit_code(["fleet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "$TRITON_URLS: an empty URL" in err
 
 
 def test_score_and_chat_refuse_mixed_urls_before_starting_anything(

@@ -163,7 +163,7 @@ def _cpu_threads(given: str | None) -> int | str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_url_argument(p, help=URL_HELP + " (default: start an embedded server)")
+    add_url_argument(p, help=URL_HELP + " (neither given: start an embedded server)")
     p.add_argument("--model", default=None, help="chat model name (default: chat; with --checkpoint see --name)")
     p.add_argument("--system", default=None, help="system message sent with the first turn")
     p.add_argument("--max-tokens", type=int, default=None, help="most tokens per reply (default: the model's)")

@@ -40,7 +40,7 @@ EXIT_SIGTERM: Final = 143
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_url_argument(p, help=URL_HELP + " (default: start an embedded server with the packaged chat and minilm)")
+    add_url_argument(p, help=URL_HELP + " (neither given: an embedded server with the packaged chat and minilm)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=9000, help="port to listen on (default 9000; 0: a free one)")
     p.add_argument(

@@ -140,7 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-line-bytes", type=_positive_int, default=None,
                    help="a longer line of a JSONL, CSV or text input is an error row (default 8 MiB)")
     p.add_argument("--shared-memory", action="store_true", help="send tensors through system shared memory")
-    add_url_argument(p, help=URL_HELP + "; default: start one here")
+    add_url_argument(p, help=URL_HELP + "; neither given: start one here")
     p.add_argument("--commit-every", type=_positive_float, default=1.0, help="seconds between commits (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     p.add_argument("--startup-timeout", type=_positive_float, default=180.0,
