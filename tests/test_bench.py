@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +30,20 @@ THIS_CLIENT_SESSIONS = ("this client (streaming sessions, seq_stats_stream)", "t
 
 
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
-    )
+    """The script, in a process group of its own: on a timeout the whole group is killed, so a child it started
+    (perf_analyzer, a server) cannot outlive the test as subprocess.run's kill of the script alone would let it."""
+    with subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_client_vs_tritonclient_quick_on_its_own_server(tmp_path: Path) -> None:
