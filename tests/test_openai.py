@@ -25,6 +25,7 @@ import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
+from _probe import probe
 from openai import AsyncOpenAI
 
 from triton_npu_client import Client, LocalTriton, score_batches
@@ -51,18 +52,6 @@ async def gateway(client: Client) -> AsyncIterator[OpenAIGateway]:
 async def oa(gateway: OpenAIGateway) -> AsyncIterator[AsyncOpenAI]:
     async with AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as c:
         yield c
-
-
-async def probe(client: Client) -> tuple[int, int]:
-    """LIVE and KV_BYTES as the chat model reports them (a conversation of one request, START and END at once)."""
-    model = await client.model("chat")
-    roles = np.array([b"user"], dtype=object)
-    texts = np.array([b"probe"], dtype=object)
-    async with model.sequence() as seq:
-        async for r in seq.stream(ROLE=roles, TEXT=texts, MAX_TOKENS=np.array([1], np.int32)):
-            if "LIVE" in r.outputs and int(r["LIVE"].reshape(-1)[0]) > 0:
-                return int(r["LIVE"].reshape(-1)[0]) - 1, int(r["KV_BYTES"].reshape(-1)[0])
-    raise AssertionError("the chat model reported no LIVE")
 
 
 async def twin(oa: AsyncOpenAI, messages: list[dict[str, str]], tokens: int = TOKENS) -> str:

@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-import numpy as np
 import openai
+from _probe import probe
 from openai import AsyncOpenAI
 
 from triton_npu_client import Client, LocalTriton
@@ -211,18 +211,6 @@ class Gate:
     @property
     def state(self) -> Any:
         return self.served.app.state.gateway
-
-
-async def probe(client: Client) -> tuple[int, int]:
-    """LIVE and KV_BYTES as the chat model reports them (a conversation of one request, START and END at once)."""
-    model = await client.model("chat")
-    roles = np.array([b"user"], dtype=object)
-    texts = np.array([b"probe"], dtype=object)
-    async with model.sequence() as seq:
-        async for r in seq.stream(ROLE=roles, TEXT=texts, MAX_TOKENS=np.array([1], np.int32)):
-            if "LIVE" in r.outputs and int(r["LIVE"].reshape(-1)[0]) > 0:
-                return int(r["LIVE"].reshape(-1)[0]) - 1, int(r["KV_BYTES"].reshape(-1)[0])
-    raise AssertionError("the chat model reported no LIVE")
 
 
 async def _settled(gate: Gate) -> None:

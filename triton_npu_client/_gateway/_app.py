@@ -197,32 +197,33 @@ class _EventStream(Response):
         self._on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                    (b"x-accel-buffering", b"no"),
-                ],
-            }
-        )
-
         async def pump() -> None:
             async with contextlib.aclosing(self._events) as events:  # type: ignore[type-var]
                 async for chunk in events:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        producer = asyncio.ensure_future(pump())
-        watch = asyncio.ensure_future(_disconnected(receive))
+        # on_end runs whatever happens from here, the headers' own send included: it gives back the request's
+        # slot and, for a turn that never ran, its chain's claims.
+        tasks: tuple[asyncio.Future[None], ...] = ()
         try:
-            await asyncio.wait({producer, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no"),
+                    ],
+                }
+            )
+            tasks = (asyncio.ensure_future(pump()), asyncio.ensure_future(_disconnected(receive)))
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (producer, watch):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(producer, watch, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             self._on_end()
 
 
