@@ -70,7 +70,7 @@ _MEASURE = textwrap.dedent(
 
     from triton_npu_client import Client, ModelSpec, _trace
     from triton_npu_client._call._caller import Caller
-    from triton_npu_client._call._retry import NO_RETRY
+    from triton_npu_client._call import NO_RETRY
     from triton_npu_client._model import build_request
     from triton_npu_client._transport._grpc import GrpcTransport
 

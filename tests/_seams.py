@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from triton_npu_client import Call
 from triton_npu_client._transport import Transport
-from triton_npu_client._wire import InferRequest
 
 
 class CountingTransport:
@@ -15,9 +15,9 @@ class CountingTransport:
         self.inner = inner
         self.infer_calls = 0
 
-    def call(self, request: InferRequest, **kw: Any) -> Any:
+    def call(self, call: Call) -> Any:
         self.infer_calls += 1
-        return self.inner.call(request, **kw)
+        return self.inner.call(call)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

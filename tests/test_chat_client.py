@@ -37,9 +37,9 @@ from triton_npu_client import (
     SequenceUsageError,
     UsageError,
 )
+from triton_npu_client._protocol import EMPTY, history_digest
 from triton_npu_client._sessions import _chat as chat_module
 from triton_npu_client._sessions._chat import PieceDecoder, as_messages
-from triton_npu_client.server._digest import EMPTY, history_digest
 
 MODEL = "chat"
 SYSTEM = "You are a helpful assistant."

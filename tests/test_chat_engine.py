@@ -758,7 +758,7 @@ def test_every_release_goes_through_the_slots_and_the_engine_forgets_the_convers
 
 def test_the_digest_chain_matches_the_client_rule_and_undoes_one_turn(checkpoint: Path) -> None:
     """The last response carries history_digest over the turns; a stale digest undoes the last turn once."""
-    from triton_npu_client.server._digest import EMPTY, history_digest
+    from triton_npu_client._protocol import EMPTY, history_digest
 
     rig = Rig(checkpoint)
     one = rig.turn(1, ["system", "user"], ["Be brief.", "The cat sat on the mat."])

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from triton_npu_client import (
+    Call,
     Client,
     InvalidArgumentError,
     LocalTriton,
@@ -37,8 +38,7 @@ from triton_npu_client import (
     TritonError,
 )
 from triton_npu_client._model import build_request
-from triton_npu_client.server._digest import EMPTY, history_digest
-from triton_npu_client.server._markers import INVALID_INPUT, SEQUENCE_UNKNOWN
+from triton_npu_client._protocol import EMPTY, INVALID_INPUT, SEQUENCE_UNKNOWN, history_digest
 
 REPO = Path(__file__).resolve().parents[1] / "server_models"
 DEADLINE_S = 60.0  # a bound on waiting for an event, never a synchronisation delay
@@ -263,10 +263,10 @@ async def test_a_second_concurrent_turn_supersedes_the_first_and_never_interleav
                     if first.responses == 1:
                         # Straight through the caller, on the same sequence id, without START: what a second client
                         # holding this id (or a buggy one) would send.
-                        call = chat.caller.call(
-                            build_request(chat.spec, inputs(("user", QUESTIONS[2]), max_tokens=16), None),
+                        call = chat.caller.call(Call(
+                            request=build_request(chat.spec, inputs(("user", QUESTIONS[2]), max_tokens=16), None),
                             timeout_s=60, route="own", many=True, sequence_id=seq.sequence_id,
-                        )
+                        ))
                         async with contextlib.aclosing(call):
                             async for result2 in call:
                                 record(second, result2)
@@ -347,10 +347,10 @@ class Raw:
     def call(
         self, *messages: tuple[str, str], start: bool = False, end: bool = False, **options: object
     ) -> AsyncIterator[object]:
-        return self.model.caller.call(  # type: ignore[return-value]
-            build_request(self.model.spec, inputs(*messages, **options), None),  # type: ignore[arg-type]
+        return self.model.caller.call(Call(  # type: ignore[return-value]
+            request=build_request(self.model.spec, inputs(*messages, **options), None),  # type: ignore[arg-type]
             timeout_s=120, route="own", many=True, sequence_id=self.id, sequence_start=start, sequence_end=end,
-        )
+        ))
 
     async def turn(self, *messages: tuple[str, str], start: bool = False, end: bool = False, **options: object) -> Turn:
         out = Turn()

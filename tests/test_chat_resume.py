@@ -29,7 +29,7 @@ from triton_npu_client import (
     SequenceUsageError,
     UsageError,
 )
-from triton_npu_client.server._digest import EMPTY, history_digest
+from triton_npu_client._protocol import EMPTY, history_digest
 
 MODEL = "chat"
 SYSTEM = "You are a helpful assistant."

@@ -16,9 +16,10 @@ import pytest
 from test_chat_engine import Rig, checkpoint  # noqa: F401  (the fixture is used by name)
 
 from triton_npu_client import ChatOptionError, ChatOptions, ChatSession, Client, InvalidArgumentError, LocalTriton
+from triton_npu_client._protocol import INVALID_INPUT
+from triton_npu_client._protocol.chat import STREAM_INTERVAL_MAX_MS
 from triton_npu_client._sessions._chat import _check_options_fit as check_options_fit
-from triton_npu_client.server._markers import INVALID_INPUT
-from triton_npu_client.server.chat._chat import STREAM_INTERVAL_MAX_MS, TurnOptions
+from triton_npu_client.server.chat._chat import TurnOptions
 
 PROMPT = ["The cat sat on the mat."]
 

@@ -20,9 +20,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from triton_npu_client import ChatReply, Client, LocalTriton
 from triton_npu_client._local._server import temp_folder_prefix
+from triton_npu_client.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "chat"
@@ -175,14 +177,20 @@ def test_ctrl_c_at_the_prompt_exits_130(triton_server: LocalTriton) -> None:
     assert asyncio.run(live_conversations(url)) == live_before
 
 
+TRIPWIRE = """#!/bin/sh
+echo started >> "$TNC_TEST_TRIPWIRE"
+exit 1
+"""
+
+
 def test_sdk_errors_become_one_line_and_exit_2(triton_server: LocalTriton) -> None:
-    """An HTTP URL, an unknown model and a bad option: one clear line on stderr each, exit status 2."""
+    """An HTTP URL and an unknown model (the line names the chat models the server has): one clear line on stderr
+    each, exit status 2."""
     cases = [
         (["--url", triton_server.http_url], "serves only over the gRPC stream"),
-        (["--url", triton_server.grpc_url, "--model", "no_such_model"], "no_such_model"),
-        # Refused before any server would start (no --url).
-        (["--max-tokens", "0"], "chat option 'max_tokens': expected an int >= 1, given 0"),
-    ]
+        (["--url", triton_server.grpc_url, "--model", "no_such_model"],
+         f"model 'no_such_model' not found at {triton_server.grpc_url}; chat models here: "),
+    ]  # fmt: skip
     for args, needle in cases:
         done = subprocess.run(chat_command(*args), input=b"Hello.\n", capture_output=True, timeout=WAIT_S)
         err = done.stderr.decode()
@@ -191,6 +199,125 @@ def test_sdk_errors_become_one_line_and_exit_2(triton_server: LocalTriton) -> No
         assert needle in err
         assert err.count("\n") == 1
         assert done.stdout == b""
+        if "chat models here" in needle:
+            listed = err.split("chat models here: ")[1].removesuffix(" (pass --model NAME)\n").split(", ")
+            # The session's chat models, not its other ones (a stateless chat twin is no chat model).
+            assert "chat" in listed
+            assert not {"chat_stateless", "scale_fp32", "minilm"} & set(listed), listed
+
+
+def test_bad_options_are_one_line_before_any_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad options: one line and exit 2, before any server starts. Without --url the command would start one, and
+    $TRITONSERVER is a tripwire that records any start (the control at the end shows it fires). Run in this process:
+    a mistake needs no interpreter of its own."""
+    tripwire = tmp_path / "tritonserver"
+    tripwire.write_text(TRIPWIRE)
+    tripwire.chmod(0o755)
+    marker = tmp_path / "started"
+    monkeypatch.setenv("TRITONSERVER", str(tripwire))
+    monkeypatch.setenv("TNC_TEST_TRIPWIRE", str(marker))
+    cases = [
+        (["--max-tokens", "0"], "chat option 'max_tokens': expected an int >= 1, given 0"),
+        (["--top-p", "0"], "chat option 'top_p'"),
+        (["--top-p", "1.5"], "chat option 'top_p'"),
+        (["--top-k", "-1"], "chat option 'top_k'"),
+        (["--temperature", "-1"], "chat option 'temperature'"),
+        (["--stop", ""], "chat option 'stop'"),
+        (["--min-tokens", "9", "--max-tokens", "3"], "chat option 'min_tokens'"),
+        (["--cpu-threads", "2"], "--cpu-threads shapes the model generated from a checkpoint: it needs --checkpoint"),
+    ]  # fmt: skip
+    for args, needle in cases:
+        code = cli_main(["chat", *args])
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, ""), err
+        assert err.startswith("triton-npu chat: ")
+        assert needle in err
+        assert err.count("\n") == 1
+    assert not marker.exists(), "a server was started for a mistake"
+    # The control: a good command does start a server, and the tripwire sees it.
+    assert cli_main(["chat", "--max-tokens", "4"]) == 2
+    assert "exited during startup" in capsys.readouterr().err
+    assert marker.exists()
+
+
+def _stats_block(err: str) -> list[tuple[int, float, int, int, int]]:
+    """Each /stats answer: (last reply's tokens, its tokens/s, conversation turns, tokens held, session replies)."""
+    return [
+        (int(m[0]), float(m[1]), int(m[2]), int(m[3]), int(m[4]))
+        for m in re.findall(
+            r"^last reply: (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\), first token (?:\d+ ms|-), finished: \w+; "
+            r"input \d+ tokens \(\d+ prefilled\)\nconversation: (\d+) turns, (\d+) tokens held by the server\n"
+            r"session: (\d+) replies, \d+ tokens$",
+            err, re.M,
+        )
+    ]
+
+
+def test_commands_help_reset_system_stats_and_quit(triton_server: LocalTriton) -> None:
+    """A banner; /help lists the commands; /stats gives the last reply's figures; /reset begins a new conversation
+    (the next reply is a fresh chat's, not the second turn's); /system TEXT begins one with that system message;
+    an unknown command is refused without reaching the model; // sends a line beginning with /; /quit leaves with
+    status 0 while the input is still open. Every conversation begun is ended on the server."""
+    url = triton_server.grpc_url
+    greeting, question = "Good morning.", "Where is the garden?"
+    live_before = asyncio.run(live_conversations(url))
+    with running("--url", url, "--max-tokens", "8") as cli:
+        cli.until(lambda o: b"/help lists the commands" in o.err, "banner")
+        assert f"chatting with model 'chat' at {url}".encode() in cli.err
+        cli.write("/help\n")
+        cli.until(lambda o: b"commands (a line that starts with /" in o.err, "help")
+        for command in ("/reset", "/system TEXT", "/stats", "/quit"):
+            assert command.encode() in cli.err
+        cli.write(f"{greeting}\n/stats\n/reset\n{greeting}\n/stats\n/system You are terse.\n{question}\n/system\n"
+                  "/bogus\n//quit\n/stats\n")  # fmt: skip
+        cli.until(lambda o: len(_stats_block(o.err.decode())) == 3, "the third /stats")
+        cli.write("/quit\n")  # the input stays open: only /quit ends the command
+        code = cli.finish()
+    assert code == 0, cli.err
+    err = cli.err.decode()
+    (first,) = asyncio.run(sdk_replies(url, [greeting], max_tokens=8))
+    second_turn = asyncio.run(sdk_replies(url, [greeting, greeting], max_tokens=8))[1]
+    # So the conversation /stats shows after /reset tells a fresh chat from a second turn (whose text may be the same).
+    assert second_turn.context_tokens != first.context_tokens
+    terse = asyncio.run(sdk_replies(url, [question, "/quit"], system="You are terse.", max_tokens=8))
+    assert cli.out.decode() == f"{first.text}\n{first.text}\n{terse[0].text}\n{terse[1].text}\n"
+    assert "[new conversation]" in err
+    assert "[new conversation with this system message]" in err
+    assert "[system message: 'You are terse.']" in err
+    assert "triton-npu chat: unknown command '/bogus': /help lists the commands" in err
+    after_first, after_reset, after_terse = _stats_block(err)
+    assert after_first[0] == first.tokens
+    assert after_first[2:] == (1, first.context_tokens, 1)
+    assert after_reset[2:] == (1, first.context_tokens, 2)  # one turn of a fresh conversation, not a second turn
+    assert after_terse[0] == terse[1].tokens
+    assert after_terse[2:] == (2, terse[1].context_tokens, 4)
+    assert [int(t) for t, _, _ in STATS.findall(err)] == [first.tokens, first.tokens, *(r.tokens for r in terse)]
+    assert asyncio.run(live_conversations(url)) == live_before  # the conversations /reset and /system left ended
+
+
+def test_sampling_flags_reach_the_model(triton_server: LocalTriton) -> None:
+    """--temperature, --top-p, --top-k, --seed, --max-tokens and --stop (twice) give the reply the SDK gets with the
+    same options; the stop string is one the unstopped reply holds, so the reply is cut before it."""
+    url = triton_server.grpc_url
+    question = "Tell me about the sea."
+    sampled = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 7, "max_tokens": 24}
+    (unstopped,) = asyncio.run(sdk_replies(url, [question], **sampled))
+    assert len(unstopped.text) > 8, unstopped.text
+    stop = unstopped.text[len(unstopped.text) // 2 :][:3]
+    (expected,) = asyncio.run(sdk_replies(url, [question], stop=["never in a reply", stop], **sampled))
+    assert expected.finish_reason == "stop_string"
+    assert len(expected.text) < len(unstopped.text)
+    flags = ["--temperature", "0.9", "--top-p", "0.9", "--top-k", "20", "--seed", "7", "--max-tokens", "24",
+             "--stop", "never in a reply", "--stop", stop]  # fmt: skip
+    with running("--url", url, *flags) as cli:
+        cli.write(question + "\n")
+        cli.close_input()
+        code = cli.finish()
+    assert code == 0, cli.err
+    assert cli.out.decode() == expected.text + "\n"
+    assert "finished: stop_string" in cli.err.decode()
 
 
 def test_without_url_an_embedded_server_serves_the_chat(triton_server: LocalTriton, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from triton_npu_client import (
+    Call,
     Client,
     ClientClosedError,
     Coalescing,
@@ -410,11 +411,11 @@ class _HoldingTransport:
         self.called = asyncio.Event()
         self.release = asyncio.Event()
 
-    def call(self, request: InferRequest, **kw: Any) -> Any:
-        self.rows.append(request.batch_size or 0)
-        self.timeouts.append(kw["timeout_s"])
+    def call(self, call: Call) -> Any:
+        self.rows.append(call.request.batch_size or 0)
+        self.timeouts.append(call.timeout_s)
         self.called.set()
-        return _Held(self.inner.call(request, **kw), self.release)
+        return _Held(self.inner.call(call), self.release)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

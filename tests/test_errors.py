@@ -22,7 +22,7 @@ from triton_npu_client import (
     TritonError,
 )
 from triton_npu_client._errors._classify import SIGNALS, judge_step, map_error, map_stream_error
-from triton_npu_client.server._markers import INVALID_INPUT, MARKERS
+from triton_npu_client._protocol import INVALID_INPUT, MARKERS
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ INVALID = "[triton-npu:invalid-input] temperature must be finite, got nan"
 @pytest.mark.parametrize(
     ("message", "cls"),
     [
-        ("inference request for sequence 7 to model 'm' must specify the START flag on the first", SequenceError),
+        ("inference request for sequence 7 to model 'm' must specify the START flag on the first", SequenceLost),
         ("Failed to process the request(s) for model 'm', message: Stub process is not healthy.", InternalServerError),
         ("inference request to model 'm' must specify a non-zero or non-empty correlation ID", SequenceError),
         # Triton's own refusal of an input: over the stream it has no status, and no marker, so no class of its own.
@@ -169,6 +169,18 @@ def test_step_judged_the_same_on_every_path(path: str, status: str, message: str
     if lost:
         assert isinstance(verdict.error, SequenceLost)
         assert (verdict.error.sequence_id, verdict.error.steps_acknowledged) == (9, 4)
+
+
+@pytest.mark.parametrize(("path", "status"), PATHS)
+def test_a_missing_start_is_a_lost_sequence_by_type_on_every_path(path: str, status: str) -> None:
+    """Triton's refusal of a step for a sequence it holds no slot for is SequenceLost as classified, before any
+    judge: what the fleet unpins a sequence by (never by its words); the message says what it means."""
+    message = "inference request for sequence 9 to model 'm' must specify the START flag on the first request"
+    err = _over(path, message, status)
+    assert type(err) is SequenceLost
+    assert err.sequence_id == 9
+    assert "start a new one" in err.message
+    assert type(_over(path, "sequence 9 is over: must specify START", status)) is not SequenceLost  # other words
 
 
 def test_model_exception_is_not_a_loss() -> None:

@@ -1,45 +1,42 @@
-"""What importing costs: the client loads no server-toolkit module but the two leaf modules it shares, and no torch;
-the toolkit's names still resolve as model.py files use them. Each check runs in a fresh interpreter."""
+"""What importing costs: the client loads no server-toolkit module at all (what it shares with the server is the
+protocol's, ``_protocol``), and no torch; the toolkit's names still resolve as model.py files use them. Each check
+runs in a fresh interpreter."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 import triton_npu_client.server as toolkit
 
-# The only toolkit modules the client may load: they import nothing (see tests/test_layers.py).
-# The chat folder's package file imports nothing; its _families table is the one list of decoder model types.
-SHARED_LEAFS = {
-    "triton_npu_client.server._markers",
-    "triton_npu_client.server._digest",
-    "triton_npu_client.server.chat",
-    "triton_npu_client.server.chat._families",
-}
 HEAVY = ("torch", "tokenizers", "safetensors", "transformers", "triton_python_backend_utils")
 
 
-def _fresh(code: str) -> dict[str, list[str]]:
+def _fresh(code: str) -> dict[str, Any]:
     """Run ``code`` in a new interpreter; what it loaded: the toolkit's modules and the heavy packages."""
     report = (
         "import json, sys\n"
         "print(json.dumps({\n"
         "    'toolkit': sorted(m for m in sys.modules if m.startswith('triton_npu_client.server.')),\n"
+        "    'server': 'triton_npu_client.server' in sys.modules,\n"
+        "    'protocol': 'triton_npu_client._protocol' in sys.modules,\n"
         f"    'heavy': sorted(m for m in {HEAVY!r} if m in sys.modules),\n"
         "}))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code + "\n" + report], capture_output=True, text=True, check=True, timeout=120
     )
-    loaded: dict[str, list[str]] = json.loads(out.stdout.strip().splitlines()[-1])
+    loaded: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return loaded
 
 
 def test_importing_the_client_loads_no_toolkit_module_and_no_torch() -> None:
-    """`from triton_npu_client import Client, score` and a client made from it load only the shared leaf modules."""
+    """`from triton_npu_client import Client, score` and a client made from it load no module of server/, not even
+    its package; what they share with it (markers, the digest) comes from the protocol."""
     loaded = _fresh(
         "from triton_npu_client import Client, score\n"
         "import asyncio\n"
@@ -48,14 +45,14 @@ def test_importing_the_client_loads_no_toolkit_module_and_no_torch() -> None:
         "        repr(client)\n"
         "asyncio.run(main())\n"
     )
-    assert set(loaded["toolkit"]) <= SHARED_LEAFS
-    assert loaded["heavy"] == []
+    assert (loaded["toolkit"], loaded["server"], loaded["heavy"]) == ([], False, [])
+    assert loaded["protocol"]  # the classifier and the chat sessions read it
 
 
 def test_every_public_client_name_loads_no_toolkit_module() -> None:
     """Every name of the client's public namespace (sessions, jobs, the launcher too) leaves the toolkit unloaded."""
     loaded = _fresh("import triton_npu_client as t\nfor name in t.__all__:\n    getattr(t, name)\n")
-    assert set(loaded["toolkit"]) <= SHARED_LEAFS
+    assert (loaded["toolkit"], loaded["server"]) == ([], False)
     assert "torch" not in loaded["heavy"]
 
 

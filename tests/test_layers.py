@@ -1,12 +1,18 @@
 """The package's import graph: layers show in folder names, arrows point down only, and nothing imports in a circle.
 
 Read from the source with ``ast`` (every import counts: module level, ``TYPE_CHECKING`` blocks and imports inside
-functions alike), so a lazy import cannot hide an upward arrow.
+functions alike, and ``importlib.import_module`` / ``__import__`` of a literal name), so a lazy import cannot hide
+an upward arrow.
+
+Three rooms: the client (every folder but ``server/``, in layers), the server toolkit and its engines (``server/``),
+and the protocol between them (``_protocol/``: markers, the chat history digest, the chat model's names). The client
+and the server each import the protocol and never each other; the protocol imports the standard library only.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "triton_npu_client"
@@ -14,6 +20,7 @@ ROOT = "triton_npu_client"
 
 # Bottom (0) to top. A module may import its own layer and any lower one.
 RANK = {
+    "_protocol": 0,  # what the client and the server spell the same: imports nothing of the package (see below)
     "_version": 0,
     "_errors": 0,
     "_trace": 0,  # optional OpenTelemetry spans: imports nothing of the package
@@ -31,12 +38,9 @@ RANK = {
     "__init__": 9,
     "__main__": 9,
 }
-# The server toolkit runs inside Triton's stub: it imports nothing of the client. Its markers module imports
-# nothing at all, so the client's one error classifier may read the same phrases from it.
-# The chat engine's table of decoder families is a leaf too: the client's checkpoint checks and the CLI read it.
-SHARED_LEAFS = frozenset(
-    {"triton_npu_client.server._markers", "triton_npu_client.server._digest", "triton_npu_client.server.chat._families"}
-)
+# The server toolkit runs inside Triton's stub: it imports nothing of the client but the protocol, and the client
+# imports nothing of it at all (no leaf of it either: what both sides share is the protocol's).
+PROTOCOL = f"{ROOT}._protocol"
 # Inside the server: its own modules are the generic toolkit; each folder is one model engine, named here on purpose.
 # The toolkit imports no engine; an engine imports the toolkit and itself, never another engine. The package's
 # __init__ (the facade) re-exports every public name of the toolkit and the engines (lazily), so it may import all.
@@ -55,7 +59,10 @@ def _import_statements(path: Path) -> list[tuple[str, tuple[str, ...]]]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[tuple[str, tuple[str, ...]]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        dynamic = _dynamic_import(node, package)
+        if dynamic is not None and dynamic.startswith(ROOT):
+            found.append((dynamic, ()))
+        elif isinstance(node, ast.Import):
             found.extend((a.name, ()) for a in node.names if a.name.startswith(ROOT))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -67,6 +74,28 @@ def _import_statements(path: Path) -> list[tuple[str, tuple[str, ...]]]:
             if target.startswith(ROOT):
                 found.append((target, tuple(a.name for a in node.names)))
     return found
+
+
+def _dynamic_import(node: ast.AST, package: str) -> str | None:
+    """The module ``importlib.import_module("name")`` / ``import_module(".name", __name__)`` / ``__import__("name")``
+    names when its first argument is a literal, else None (a name built at run time is the caller's table: see
+    test_the_lazy_tables_name_no_server_module)."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    first = node.args[0]
+    if called not in ("import_module", "__import__") or not isinstance(first, ast.Constant):
+        return None
+    name = first.value
+    if not isinstance(name, str):
+        return None
+    if not name.startswith("."):
+        return name
+    level = len(name) - len(name.lstrip("."))
+    base = package.split(".")
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, name.lstrip(".")] if name.lstrip(".") else base)
 
 
 def _imports(path: Path) -> set[str]:
@@ -109,24 +138,83 @@ def test_every_module_belongs_to_a_known_layer() -> None:
     assert folders == ENGINES  # a new engine folder joins ENGINES; the toolkit has no folders
 
 
-def test_arrows_point_down_only() -> None:
-    """Each import goes to the same layer or a lower one; the server toolkit imports only itself."""
-    upward = []
-    for module, targets in _graph().items():
+def _forbidden_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """The imports that break the rooms: an upward arrow in the client, the client importing any module of
+    ``server/``, the server importing the client, the protocol importing anything of the package."""
+    wrong = []
+    for module, targets in graph.items():
         layer = _layer(module)
         for target in targets:
-            if target in SHARED_LEAFS or (target == ROOT and layer == "__init__"):
+            if target == ROOT and layer == "__init__":
                 continue
             tlayer = _layer(target)
-            if layer == "server":
-                ok = tlayer == "server"
+            if layer == "_protocol":
+                ok = tlayer == "_protocol"  # its own modules only
+            elif layer == "server":
+                ok = tlayer in ("server", "_protocol")
             elif tlayer == "server":
-                ok = False
+                ok = False  # the client reads what it shares with the server from the protocol, never from server/
             else:
                 ok = RANK[tlayer] <= RANK[layer]
             if not ok:
-                upward.append(f"{module} -> {target}")
-    assert upward == []
+                wrong.append(f"{module} -> {target}")
+    return sorted(wrong)
+
+
+def test_arrows_point_down_only() -> None:
+    """Each import goes to the same layer or a lower one; the client imports no module of server/ (leaves, lazily
+    inside a function, by importlib: none); the server toolkit imports only itself and the protocol."""
+    assert _forbidden_arrows(_graph()) == []
+
+
+def test_the_protocol_imports_the_standard_library_only() -> None:
+    """_protocol/ imports its own modules and the standard library, nothing else (no numpy: the client reads it
+    without the toolkit's dependencies, the stub without the client's)."""
+    outside = []
+    for path in sorted((PACKAGE / "_protocol").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [] if node.level else [node.module or ""]
+            else:
+                continue
+            outside += [f"{path.name}: {n}" for n in names if n.partition(".")[0] not in sys.stdlib_module_names]
+    assert outside == []
+    assert (PACKAGE / "_protocol" / "__init__.py").is_file()
+
+
+def test_the_lazy_tables_name_no_server_module() -> None:
+    """The package's lazy table (names loaded on first use, by a module name built at run time) names no module of
+    server/ either: the one way around the import graph above is closed too."""
+    import triton_npu_client
+
+    modules = set(triton_npu_client._LAZY.values())  # "._client", ...: relative to the package
+    assert modules
+    assert [m for m in modules if m.lstrip(".").split(".")[0] == "server"] == []
+
+
+def test_the_checker_sees_the_client_import_the_server_and_the_protocol_import_the_client(tmp_path: Path) -> None:
+    """The room rule can fail: a client module importing a server leaf (lazily, in a function, and by importlib), a
+    protocol module importing the client, and the server importing the client are all found; the server and the
+    client importing the protocol are not."""
+    root = tmp_path / ROOT
+    for folder in ("_sessions", "_protocol", "server"):
+        (root / folder).mkdir(parents=True)
+    (root / "_sessions" / "x.py").write_text(
+        "from .._protocol import EMPTY\n"
+        "def f():\n    from ..server._state import S\n"
+        "def g():\n    import importlib\n    return importlib.import_module('..server', __name__)\n"
+    )
+    (root / "_protocol" / "y.py").write_text("from .._errors import TritonError\n")
+    (root / "server" / "z.py").write_text("from .._protocol import EMPTY\nfrom .._sessions import x\n")
+    assert _forbidden_arrows(_graph_at(root)) == [
+        f"{ROOT}._protocol.y -> {ROOT}._errors",
+        f"{ROOT}._sessions.x -> {SERVER}",
+        f"{ROOT}._sessions.x -> {SERVER}._state",
+        f"{SERVER}.z -> {ROOT}._sessions",
+        f"{SERVER}.z -> {ROOT}._sessions.x",
+    ]
 
 
 def _server_part(module: str) -> str:
@@ -242,7 +330,7 @@ def _private_reaches(path: Path) -> list[str]:
     layer = _layer(name)
     found = []
     for target, names in _import_statements(path):
-        if target in SHARED_LEAFS or target == ROOT or _layer(target) == layer:
+        if target == ROOT or _layer(target) == layer:
             continue
         deeper = target != f"{ROOT}.{_layer(target)}"
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]  # a module or a name

@@ -479,55 +479,7 @@ def test_no_stub_for_python(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert "3.8" in str(info.value)
 
 
-def test_cli_serve_ctrl_c(tmp_path: Path) -> None:
-    """`triton-npu serve` prints ready URLs, and SIGINT stops it with exit 0 and no process left."""
-    _write_model(tmp_path, "echo", GOOD_MODEL)
-    with subprocess.Popen(
-        [sys.executable, "-m", "triton_npu_client", "serve", "--model-repository", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        code, lines, ready_s, stderr = _serve_until_ready_then_sigint(proc)
-    assert code == 0, stderr
-    assert ready_s < 60
-    text = "".join(lines)
-    assert "grpc://127.0.0.1:" in text
-    assert "http://127.0.0.1:" in text
-    workdir = next(line.split()[-1] for line in lines if line.strip().startswith("log"))
-    marker = str(Path(workdir).parent).encode()
-    leftovers = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and marker in _cmdline(p)]
-    assert leftovers == []
-    assert not Path(workdir).parent.exists()  # a clean stop removes the temp folder
-
-
-def _serve_until_ready_then_sigint(proc: subprocess.Popen[str]) -> tuple[int, list[str], float, str]:
-    try:
-        assert proc.stdout is not None
-        lines = []
-        started = time.monotonic()
-        for line in proc.stdout:
-            lines.append(line)
-            if "Ctrl-C" in line:
-                break
-        ready_s = time.monotonic() - started
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=30)
-        assert proc.stdout is not None
-        assert proc.stderr is not None
-        lines.extend(proc.stdout)
-        return code, lines, ready_s, proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def _cmdline(p: Path) -> bytes:
-    try:
-        return (p / "cmdline").read_bytes()
-    except OSError:
-        return b""
+# `triton-npu serve` (banner, Ctrl-C, SIGTERM, --models, its mistakes): tests/test_cli_serve.py.
 
 
 async def test_the_packaged_configs_are_the_same_without_tritons_auto_complete(
@@ -549,6 +501,65 @@ async def test_the_packaged_configs_are_the_same_without_tritons_auto_complete(
         assert set(models) < set(names)  # the ensemble brought its steps
         for name in names:
             assert await on.model_config(name) == await off.model_config(name), name
+
+
+# A model whose execute holds the GIL for hours (a C-level loop: no bytecode runs, so no switch): its stub cannot
+# run the exit it starts when it sees its server gone, and it ignores SIGTERM. It marks the moment execute starts.
+GIL_BOUND_MODEL = """
+import pathlib
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        pathlib.Path(MARK).write_text("busy")
+        sum(range(10**15))
+        return []
+"""
+
+
+@pytest.mark.parametrize("finds", ["is_running", "stop"])
+def test_the_stubs_of_a_server_found_dead_are_killed(tmp_path: Path, finds: str) -> None:
+    """The server is SIGKILLed while its stub executes a request (its owner, this process, lives on): the stub would
+    stay, holding its model, since it can no longer exit. The first look that finds the server dead (is_running, or
+    stop()) kills it, and stop() then ends at once, with no grace to wait for a server that has gone."""
+    mark = tmp_path / "busy"
+    _write_model(tmp_path / "repo", "busy", GIL_BOUND_MODEL.replace("MARK", repr(str(mark))))
+    server = tnc.LocalTriton(tmp_path / "repo", auto_complete_config=False, stop_grace_s=30.0).start()
+    body = b'{"inputs":[{"name":"X","shape":[1,1],"datatype":"FP32","data":[1.0]}]}'
+    request = subprocess.Popen(  # the request that keeps the stub busy; it fails once the server dies
+        ["curl", "-s", "-o", "/dev/null", "-X", "POST", "--data", body, f"{server.http_url}/v2/models/busy/infer"]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists():  # until execute has begun
+            assert request.poll() is None, "the request ended before it reached execute"
+            assert time.monotonic() < deadline, "the request never reached execute"
+            time.sleep(0.01)
+        stubs = server._stubs()
+        assert stubs, "no stub"
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+        assert request.wait(timeout=60) != 0
+        if finds == "is_running":
+            while server.is_running:  # until the kernel has made the server a zombie
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            # Without the kill the stub would stay (its loop runs for hours): this wait would run out.
+            while set(_live_with(str(tmp_path / "repo").encode())) & stubs:
+                assert time.monotonic() < deadline, "the stub outlived its dead server"
+                time.sleep(0.01)
+        began = time.monotonic()
+        server.stop()
+        stopping_s = time.monotonic() - began
+    finally:
+        server.stop()
+        if request.poll() is None:
+            request.kill()
+        request.wait()
+        if server.log_path is not None:  # the log LocalTriton keeps for a server that died on its own
+            shutil.rmtree(server.log_path.parent, ignore_errors=True)
+    assert set(_live_with(str(tmp_path / "repo").encode())) & stubs == set()
+    assert server.processes() == []
+    assert stopping_s < 5.0, stopping_s  # not the 30 s grace
 
 
 def test_what_a_dead_launcher_left_is_swept_and_a_live_ones_is_not(tmp_path: Path) -> None:

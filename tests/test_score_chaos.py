@@ -123,7 +123,9 @@ def command(url: str, source: Path, output: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "triton_npu_client", "score", "--url", url, "--model", "score_probe",
         "--input", str(source), "--output", str(output), "--concurrency", "3", "--batch-size", "8",
-        "--commit-every", "0.05", "--no-progress", "--max-line-bytes", str(MAX_LINE), *extra,
+        "--commit-every", "0.05", "--no-progress", "--max-line-bytes", str(MAX_LINE),
+        # A job that finished before its kill is re-run later: its checkpoint must say it is this job's.
+        "--keep-checkpoint", *extra,
     ]
 
 

@@ -29,6 +29,7 @@ def command(server: LocalTriton, source: Path, output: Path) -> list[str]:
         sys.executable, "-m", "triton_npu_client", "score", "--url", server.grpc_url, "--model", "score_probe",
         "--input", str(source), "--output", str(output), "--concurrency", "4", "--batch-size", "8",
         "--commit-every", "0.05", "--no-progress", "--max-failed", "100%",  # the bad rows are on purpose
+        "--keep-checkpoint",  # a run that finished before its kill leaves a job the next runs recognise
     ]
 
 

@@ -23,6 +23,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from triton_npu_client import Client, LocalTriton, RowParseError, ScoreSummary, score, score_sync
@@ -357,6 +358,77 @@ def test_the_tripwire_fires_when_the_cli_starts_a_server(
     assert "Traceback" not in done.stderr
 
 
+def config_mistake(case: str, tmp: Path, src: Path, out: Path) -> tuple[list[str], int, str] | None:
+    """The mistakes only the model's config shows (issue 25): found in the packaged repository's config.pbtxt,
+    before the embedded server starts. None: ``case`` is not one of them."""
+    text = tmp / "sentences.txt"
+    text.write_text("one\ntwo words\n")
+    tokens = ["--model", "minilm_tokenizer", "--input", str(text)]
+    if case == "several outputs into one .npy":  # before: a traceback after the server, an empty .npy left behind
+        return [*tokens, "--output", str(tmp / "tok.npy")], 2, "gives 2 outputs (INPUT_IDS, ATTENTION_MASK)"
+    if case == "an output the model lacks":
+        return [*tokens, "--output", str(out), "--output-name", "IDS"], 2, "has no output 'IDS'"
+    if case == "batch size over the model's max":
+        return ["--model", "score_probe", "--input", str(src), "--output", str(out), "--batch-size", "100000"], 2, \
+            "--batch-size must be in [1, 16]"
+    if case == "a stateful model":
+        return ["--model", "chat", "--input", str(text), "--output", str(out)], 2, "'chat' is stateful"
+    if case == "a decoupled model":
+        return ["--model", "repeat_int32", "--input", str(src), "--output", str(out)], 2, "is decoupled"
+    if case == "a float64 .npy for an FP32 input":
+        np.save(tmp / "x.npy", np.zeros((4, 2)))
+        return ["--model", "score_probe", "--input", str(tmp / "x.npy"), "--output", str(out)], 2, \
+            "expected FP32, given float64: narrowing a numpy float array loses precision; cast it yourself or pass " \
+            "--allow-lossy"
+    if case == "a .npy of rows of another shape":
+        np.save(tmp / "x.npy", np.zeros((4, 3), np.float32))
+        return ["--model", "score_probe", "--input", str(tmp / "x.npy"), "--output", str(out)], 2, \
+            "rows of shape (3,)): every row would fail"
+    if case == "text lines for a numeric input":
+        return ["--model", "score_probe", "--input", str(text), "--output", str(out)], 2, "every row would fail"
+    if case == "no CSV column is an input":
+        (tmp / "rows.csv").write_text("id,TEXT2\n1,a\n")
+        return ["--model", "minilm", "--input", str(tmp / "rows.csv"), "--output", str(out)], 11, \
+            "no header column (id, TEXT2) is an input of the model (TEXT)"
+    if case == "a CSV without a column for one input":
+        (tmp / "rows.csv").write_text('id,INPUT_IDS\n1,"[1, 2]"\n')
+        return ["--model", "minilm_encoder", "--input", str(tmp / "rows.csv"), "--output", str(out)], 2, \
+            "no column for input 'ATTENTION_MASK' of model 'minilm_encoder' (its inputs: INPUT_IDS, ATTENTION_MASK; " \
+            "the file's columns id are not inputs)"
+    if case == "a Parquet file without a column for the input":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"id": [1, 2], "X2": [[1.0, 2.0], [3.0, 4.0]]}), tmp / "rows.parquet")
+        return ["--model", "score_probe", "--input", str(tmp / "rows.parquet"), "--output", str(out)], 11, \
+            "no column (id, X2) is an input of the model (X)"
+    if case == "--keep a column the input lacks":
+        (tmp / "rows.csv").write_text('X\n"[1, 2]"\n')
+        return ["--model", "score_probe", "--input", str(tmp / "rows.csv"), "--output", str(out), "--keep", "id"], 2, \
+            "no column 'id' for --keep"
+    if case == "--keep into a .npy":
+        return ["--model", "score_probe", "--input", str(src), "--output", str(tmp / "y.npy"), "--keep", "id"], 2, \
+            "not the input columns of --keep"
+    if case == "--keep from a text file":
+        return [*tokens, "--output", str(out), "--keep", "id"], 2, "--keep takes named columns of the input"
+    if case == "--keep a column named like an output":
+        return ["--model", "score_probe", "--input", str(src), "--output", str(out), "--keep", "Y"], 2, \
+            "--keep column 'Y' is named like a column of the output"
+    return None
+
+
+CONFIG_MISTAKES = [
+    "several outputs into one .npy", "an output the model lacks", "batch size over the model's max",
+    "a stateful model", "a decoupled model", "a float64 .npy for an FP32 input", "a .npy of rows of another shape",
+    "text lines for a numeric input", "no CSV column is an input", "a CSV without a column for one input",
+    "a Parquet file without a column for the input", "--keep a column the input lacks", "--keep into a .npy",
+    "--keep from a text file", "--keep a column named like an output",
+]
+
+# A keyword argument as Python spells it (overwrite=True, outputs=[...], format=): the CLI names flags instead.
+PYTHON_WORDS = re.compile(r"\b[a-z_]+=(True|False|\[|\.\.\.|\s|$)|\b[a-z_]+\(\)")
+
+
 def make_mistake(case: str, tmp: Path) -> tuple[list[str], int, str]:
     """(the CLI's arguments, the exit code, a phrase of the one stderr line) for one user mistake."""
     src = tmp / "rows.jsonl"
@@ -413,6 +485,9 @@ def make_mistake(case: str, tmp: Path) -> tuple[list[str], int, str]:
             "does not exist"
     if case == "unknown packaged model":
         return ["--model", "no_such_model", "--input", str(src), "--output", str(out)], 18, "no_such_model"
+    model_mistake = config_mistake(case, tmp, src, out)
+    if model_mistake is not None:
+        return model_mistake
     numbers = {
         "concurrency 0": ["--concurrency", "0"],
         "batch size not a number": ["--batch-size", "many"],
@@ -435,7 +510,7 @@ MISTAKES = [
     "checkpoint of another job", "checkpoint disagrees with its files", "output folder missing",
     "unknown packaged model", "concurrency 0",
     "batch size not a number", "commit every nan", "max failed negative", "max failed over 100%", "max line bytes 0",
-    "missing --output",
+    "missing --output", *CONFIG_MISTAKES,
 ]
 
 
@@ -453,6 +528,7 @@ def test_each_cli_mistake_is_one_line_and_its_own_exit_code_before_any_server(
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("triton-npu score: "), lines
     assert phrase in lines[0]
+    assert not PYTHON_WORDS.search(lines[0]), lines[0]  # flags, not keyword arguments
     assert done.returncode == code, lines[0]
     assert code in EXIT_CODES
     assert done.stdout == ""
@@ -517,8 +593,9 @@ def test_a_job_whose_rows_failed_exits_3_within_its_tolerance_0(triton_server: L
     src = tmp_path / "rows.jsonl"
     write_rows(src, 4, bad={0, 1, 2, 3})  # every row refused by the model
     out = tmp_path / "out.jsonl"
+    # --keep-checkpoint: the finished job stays recognisable, so that its re-runs judge it again.
     base = ["--model", "score_probe", "--input", str(src), "--output", str(out), "--url", triton_server.grpc_url,
-            "--no-progress"]
+            "--no-progress", "--keep-checkpoint"]
     done = cli(base)
     assert done.returncode == 3, done.stderr
     assert done.stderr.splitlines() == [
@@ -533,7 +610,8 @@ def test_a_job_whose_rows_failed_exits_3_within_its_tolerance_0(triton_server: L
     src2 = tmp_path / "rows2.jsonl"
     write_rows(src2, 4, bad={1})
     out2 = tmp_path / "out2.jsonl"
-    base2 = ["--model", "score_probe", "--input", str(src2), "--output", str(out2), "--url", triton_server.grpc_url]
+    base2 = ["--model", "score_probe", "--input", str(src2), "--output", str(out2), "--url", triton_server.grpc_url,
+             "--keep-checkpoint"]
     assert cli([*base2, "--max-failed", "25%"]).returncode == 0
     assert cli([*base2, "--max-failed", "0.2"]).returncode == 3
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from triton_npu_client import (
+    Call,
     Client,
     ClientConfig,
     LocalServerError,
@@ -135,11 +136,11 @@ async def test_no_header_value_in_log_records_or_error_messages(
         if protocol == "grpc":
             request = scale.request(INPUT0=[3.0])
             for route in ("shared", "own"):
-                result = await client.transport.call(request, timeout_s=30, route=route).single()
+                result = await client.transport.call(Call(request=request, timeout_s=30, route=route)).single()
                 assert result["OUTPUT0"].tolist() == [[6.0]]
             bad = InferRequest(model="no_such_model", inputs=request.inputs, outputs=request.outputs, batch_size=1)
             with pytest.raises(ModelNotFoundError) as on_stream:
-                await client.transport.call(bad, timeout_s=30, route="shared").single()
+                await client.transport.call(Call(request=bad, timeout_s=30, route="shared")).single()
             errors.append(on_stream.value)
         spec = scale.spec
     # Nothing listens on port 1: refused, retried once (the retry logs at DEBUG), then raised.

@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from triton_npu_client import LocalTriton, ModelNotFoundError, SequenceClosedError, SequenceSession, SequenceUsageError
+from triton_npu_client import (
+    Call,
+    LocalTriton,
+    ModelNotFoundError,
+    SequenceClosedError,
+    SequenceSession,
+    SequenceUsageError,
+)
 from triton_npu_client._client import Client, Model
 from triton_npu_client._sessions._sequence import MAX_INT_ID, new_sequence_id, open_sequence, validate_sequence_id
 
@@ -211,9 +218,9 @@ class RecordingTransport:
         self.inner = inner
         self.calls: list[tuple[tuple[str, ...], bool]] = []
 
-    def call(self, request: Any, **kw: Any) -> Any:
-        self.calls.append((tuple(i.name for i in request.inputs), bool(kw.get("sequence_end"))))
-        return self.inner.call(request, **kw)
+    def call(self, call: Call) -> Any:
+        self.calls.append((tuple(i.name for i in call.request.inputs), call.sequence_end))
+        return self.inner.call(call)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -252,7 +259,7 @@ async def test_a_step_queued_for_a_connection_past_the_idle_timeout_is_warned_wh
             holding = asyncio.Event()
             request = slow.request(INPUT0=np.ones(1, np.float32), DELAY_S=np.array([idle_s + 2.0], np.float32))
             hog = asyncio.create_task(
-                client.transport.call(request, timeout_s=60, on_send=holding.set).single()
+                client.transport.call(Call(request=request, timeout_s=60, on_send=holding.set)).single()
             )
             await holding.wait()  # the only connection is taken from here on
             with pytest.warns(SequenceIdleWarning, match="leaves"), pytest.raises(SequenceLost):

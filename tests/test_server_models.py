@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from tools.perf_analyzer import ensure_perf_analyzer, run_perf_analyzer
 from triton_npu_client import LocalTriton, default_model_repository
-from triton_npu_client.server._markers import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
+from triton_npu_client._protocol import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 
 MODELS = ["seq_stats_oldest", "seq_stats_direct", "seq_stats_string"]
 DIM = 4

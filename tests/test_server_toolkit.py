@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
+from triton_npu_client._protocol import _markers as markers
 from triton_npu_client.server import (
     Accelerators,
     DeviceChoice,
@@ -38,7 +39,6 @@ from triton_npu_client.server import (
     to_host,
 )
 from triton_npu_client.server import _device as toolkit_device
-from triton_npu_client.server import _markers as markers
 from triton_npu_client.server import _model as toolkit_model
 from triton_npu_client.server._device import choose_instance_device
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from triton_npu_client import (
+    Call,
     Client,
     ClientClosedError,
     InternalServerError,
@@ -218,12 +219,12 @@ async def test_stream_failure_fails_pending_then_a_new_stream_opens(tmp_path: Pa
         assert isinstance(transport, GrpcTransport)
         mux = transport.multiplexer()
         first = await transport.call(
-            scale.request(INPUT0=np.ones(2, np.float32)), timeout_s=60, route="shared"
+            Call(request=scale.request(INPUT0=np.ones(2, np.float32)), timeout_s=60, route="shared")
         ).single()
         np.testing.assert_array_equal(first["OUTPUT0"], np.full((1, 2), 2.0, np.float32))
         broken = mux._slots[0]
         responses = transport.call(
-            scale.request(INPUT0=np.ones(2, np.float32)), timeout_s=60, route="shared", many=True
+            Call(request=scale.request(INPUT0=np.ones(2, np.float32)), timeout_s=60, route="shared", many=True)
         )
         # Blocking stop on purpose: the loop cannot run before the server is dead, and the request is queued on
         # the (still open-looking) stream before the reader can see it break, so it is certainly pending.
@@ -236,7 +237,7 @@ async def test_stream_failure_fails_pending_then_a_new_stream_opens(tmp_path: Pa
             # The channel may still be in its reconnect back-off (a fresh call fails fast there): wait it out.
             await client.wait_for_model_ready("scale_fp32")
             again = await transport.call(
-                scale.request(INPUT0=np.full(2, 5.0, np.float32)), timeout_s=60, route="shared"
+                Call(request=scale.request(INPUT0=np.full(2, 5.0, np.float32)), timeout_s=60, route="shared")
             ).single()
             np.testing.assert_array_equal(again["OUTPUT0"], np.full((1, 2), 10.0, np.float32))
             assert transport.multiplexer() is mux

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from triton_npu_client import Client, ClientClosedError, LocalTriton, TransportError, UsageError
+from triton_npu_client import Call, Client, ClientClosedError, LocalTriton, TransportError, UsageError
 from triton_npu_client._client._model import Model
 from triton_npu_client._transport import GrpcTransport
 from triton_npu_client._transport._grpc import DEFAULT_CHANNEL_OPTIONS
@@ -163,7 +163,7 @@ async def test_a_grpc_client_opens_one_channel(triton_server: LocalTriton, monke
         model = await client.model("scale_fp32")
         unary = await model.infer(INPUT0=np.ones(2, np.float32))
         shared = await client.transport.call(
-            model.request(INPUT0=np.ones(2, np.float32)), timeout_s=SAFETY_NET_S, route="shared"
+            Call(request=model.request(INPUT0=np.ones(2, np.float32)), timeout_s=SAFETY_NET_S, route="shared")
         ).single()
         np.testing.assert_array_equal(unary["OUTPUT0"], shared["OUTPUT0"])
         transport = client.transport
@@ -278,7 +278,9 @@ async def test_keepalive_fails_a_request_pending_on_a_silent_connection(triton_s
         sent = asyncio.Event()
         # The answer takes 2 s on the server, but the proxy is silenced as soon as the request leaves, so only
         # keepalive can end the wait.
-        pending = client.transport.call(slow_request(slow, 2.0), timeout_s=None, route="shared", on_send=sent.set)
+        pending = client.transport.call(
+            Call(request=slow_request(slow, 2.0), timeout_s=None, route="shared", on_send=sent.set)
+        )
         waiting = asyncio.create_task(pending.single())
         await sent.wait()
         proxy.blackhole()
@@ -291,7 +293,7 @@ async def test_keepalive_fails_a_request_pending_on_a_silent_connection(triton_s
             while not await _answers(client):
                 await asyncio.sleep(0.05)
         again = await client.transport.call(
-            scale.request(INPUT0=np.ones(2, np.float32)), timeout_s=SAFETY_NET_S, route="shared"
+            Call(request=scale.request(INPUT0=np.ones(2, np.float32)), timeout_s=SAFETY_NET_S, route="shared")
         ).single()
         np.testing.assert_array_equal(again["OUTPUT0"], np.full((1, 2), 2.0, np.float32))
 
@@ -328,7 +330,7 @@ async def test_own_route_yields_every_response_then_stops(client: Client) -> Non
     """A decoupled request on its own call yields its N results, then stops, and its call is over."""
     model = await client.model("repeat_int32")
     responses = client.transport.call(
-        model.request(N=np.array([5], np.int32)), route="own", many=True, timeout_s=SAFETY_NET_S
+        Call(request=model.request(N=np.array([5], np.int32)), route="own", many=True, timeout_s=SAFETY_NET_S)
     )
     assert isinstance(responses, OwnStreamCall)
     got = [int(r["OUT"][0]) async for r in responses]
@@ -343,7 +345,7 @@ async def test_closing_an_own_route_call_early_cancels_it(client: Client) -> Non
     """Closing after the first of many responses cancels the gRPC call (the server still had plenty to send)."""
     model = await client.model("repeat_int32")
     responses = client.transport.call(
-        model.request(N=np.array([2000], np.int32)), route="own", many=True, timeout_s=SAFETY_NET_S
+        Call(request=model.request(N=np.array([2000], np.int32)), route="own", many=True, timeout_s=SAFETY_NET_S)
     )
     assert isinstance(responses, OwnStreamCall)
     first = await anext(responses)
@@ -368,7 +370,9 @@ async def test_http_requests_beyond_the_connection_limit_wait_before_they_are_se
 
         async def one(i: int) -> None:
             call = client.transport.call(
-                slow_request(slow, 0.3), timeout_s=SAFETY_NET_S, on_send=lambda: events.append(("send", i))
+                Call(
+                    request=slow_request(slow, 0.3), timeout_s=SAFETY_NET_S, on_send=lambda: events.append(("send", i))
+                )
             )
             await call.single()
             events.append(("answer", i))
@@ -383,7 +387,9 @@ async def test_closing_a_shared_call_from_another_task_wakes_its_reader(client: 
     """aclose() from another task ends a reader waiting on the shared stream (it would otherwise wait forever)."""
     slow = await client.model("slow_echo")
     sent = asyncio.Event()
-    responses = client.transport.call(slow_request(slow, 3.0), timeout_s=None, route="shared", on_send=sent.set)
+    responses = client.transport.call(
+        Call(request=slow_request(slow, 3.0), timeout_s=None, route="shared", on_send=sent.set)
+    )
     reader = asyncio.create_task(responses.single())
     await sent.wait()
     await responses.aclose()

@@ -109,6 +109,8 @@ if _typing.TYPE_CHECKING:
     )
     from ._sessions import (
         ChatMessage,
+        ChatOpenArgs,
+        ChatOptionArgs,
         ChatOptions,
         ChatReply,
         ChatSession,
@@ -118,7 +120,10 @@ if _typing.TYPE_CHECKING:
         open_sequence,
     )
     from ._transport import (
+        Call,
+        Responses,
         TLSConfig,
+        Transport,
     )
     from ._wire import (
         InferRequest,
@@ -146,12 +151,17 @@ _LAZY: dict[str, str] = {
     "Model": "._client",
     "USE_CLIENT_DEFAULT": "._call",
     "TLSConfig": "._transport",
+    "Call": "._transport",
+    "Responses": "._transport",
+    "Transport": "._transport",
     "InferRequest": "._wire",
     "InferResult": "._wire",
     "RetryPolicy": "._call",
     "SequenceSession": "._sessions",
     "open_sequence": "._sessions",
     "ChatMessage": "._sessions",
+    "ChatOpenArgs": "._sessions",
+    "ChatOptionArgs": "._sessions",
     "ChatOptions": "._sessions",
     "ChatReply": "._sessions",
     "ChatSession": "._sessions",
@@ -191,10 +201,13 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BatchSizeError",
+    "Call",
     "ChatBusyError",
     "ChatHistoryMismatch",
     "ChatMessage",
     "ChatMessageError",
+    "ChatOpenArgs",
+    "ChatOptionArgs",
     "ChatOptionError",
     "ChatOptions",
     "ChatReply",
@@ -238,6 +251,7 @@ __all__ = [
     "ReplicaStatus",
     "RepositoryModel",
     "RequestTimeout",
+    "Responses",
     "ResumeNotConfirmed",
     "RetryPolicy",
     "RowParseError",
@@ -265,6 +279,7 @@ __all__ = [
     "TLSConfig",
     "TLSError",
     "TensorSpec",
+    "Transport",
     "TransportError",
     "TritonError",
     "USE_CLIENT_DEFAULT",

@@ -8,17 +8,19 @@ sessions hold a caller; a client made by ``with_options`` gets its own caller ov
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from typing import Final
+
+import attrs
 
 from .._errors import ClientClosedError, TritonError
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
 from .._trace import start as start_span
-from .._transport import OnSend, Responses, Route, Transport
+from .._transport import NO_RETRY, Call, Responses, RetryPolicy, Transport, run_with_retry
 from .._wire import InferRequest, InferResult
 from ._coalesce import Coalescer
 from ._defaults import UseClientDefault
-from ._retry import NO_RETRY, RetryPolicy, is_retriable, run_with_retry
 
 __all__ = ["Caller"]
 
@@ -50,33 +52,11 @@ class Caller:
         """``timeout_s``, or the client's default when it was not given."""
         return self.timeout_s if isinstance(timeout_s, UseClientDefault) else timeout_s
 
-    def call(
-        self,
-        request: InferRequest,
-        *,
-        timeout_s: float | None,
-        route: Route = "unary",
-        many: bool = False,
-        request_id: str = "",
-        sequence_id: int | str | None = None,
-        sequence_start: bool = False,
-        sequence_end: bool = False,
-        on_send: OnSend | None = None,
-    ) -> Responses:
+    def call(self, call: Call) -> Responses:
         """The transport's call primitive, as is: never retried, never coalesced (sequence steps, streams)."""
         if self.closed:
             raise ClientClosedError("the client this model handle belongs to is closed")
-        return self.transport.call(
-            request,
-            timeout_s=timeout_s,
-            route=route,
-            many=many,
-            request_id=request_id,
-            sequence_id=sequence_id,
-            sequence_start=sequence_start,
-            sequence_end=sequence_end,
-            on_send=on_send,
-        )
+        return self.transport.call(call)
 
     async def infer(
         self,
@@ -84,75 +64,100 @@ class Caller:
         *,
         timeout_s: float | None,
         request_id: str = "",
-        retry: bool = True,
+        retry: bool | RetryPolicy = True,
         coalesce: bool = True,
         max_batch_size: int = 0,
         dynamic_batching: bool = False,
     ) -> InferResult:
-        """A stateless request answered once: coalesced when enabled and eligible, retried per the policy."""
+        """A stateless request answered once: coalesced when enabled and eligible, retried per the policy
+        (``retry``: the client's policy, none, or this one)."""
         if self.closed:
             raise ClientClosedError("the client this model handle belongs to is closed")
+        policy = self._policy(retry)
+        coalescer = self.coalescer
+        if not (coalesce and coalescer is not None and not request_id and coalescer.eligible(
+            request, max_batch_size=max_batch_size, dynamic_batching=dynamic_batching
+        )):
+            call = Call(request=request, timeout_s=timeout_s, request_id=request_id)
+            return await (self._traced(call, policy) if TRACING else self._send(call, policy))
         span = start_span("triton.infer", model=request.model, version=request.version) if TRACING else None
-        # Current for the whole call (one task): the transport sends its context, the fleet notes its replica.
-        token = span.attach() if span is not None else None
-        try:
-            coalescer = self.coalescer
-            policy = self.retry if retry else NO_RETRY
-            if coalesce and coalescer is not None and not request_id and coalescer.eligible(
-                request, max_batch_size=max_batch_size, dynamic_batching=dynamic_batching
-            ):
-                if span is not None:
-                    span.set("triton.coalesced", True)
-                result = await coalescer.infer(
-                    request,
-                    timeout_s=timeout_s,
-                    max_batch_size=max_batch_size,
-                    # The merged request's own budget (its earliest member's), not this caller's whole timeout.
-                    send=lambda merged, budget_s: self._send(merged, budget_s, "", policy, span),
-                )
-            else:
-                result = await self._send(request, timeout_s, request_id, policy)
-        except BaseException as err:
-            if span is not None:
-                span.finish(err)
-            raise
-        finally:
-            if span is not None:
-                span.detach(token)
-        if span is not None:
-            span.set_first_response()
-            span.finish()
-        return result
 
-    async def _send(
-        self,
-        request: InferRequest,
-        timeout_s: float | None,
-        request_id: str,
-        policy: RetryPolicy,
-        span: Span | None = None,
-    ) -> InferResult:
-        if span is not None:
-            # A merged request is sent from the coalescer's task: it carries the span of the caller whose send it
-            # took (the batch's oldest), so Triton's span of the batch hangs under that caller's span.
-            token = span.attach()
-            try:
-                return await self._send(request, timeout_s, request_id, policy)
-            finally:
-                span.detach(token)
+        def merged_send(merged: InferRequest, budget_s: float | None) -> Awaitable[InferResult]:
+            # The merged request's own budget (its earliest member's), not this caller's whole timeout.
+            call = Call(request=merged, timeout_s=budget_s)
+            return self._send(call, policy) if span is None else self._send_under(span, call, policy)
+
+        coalesced = coalescer.infer(request, timeout_s=timeout_s, max_batch_size=max_batch_size, send=merged_send)
+        if span is None:
+            return await coalesced
+        span.set("triton.coalesced", True)
+        return await _spanned(span, coalesced)
+
+    async def send(self, call: Call, retry: bool | RetryPolicy = True) -> InferResult:
+        """A stateless ``call`` answered once, retried per ``retry`` (as :meth:`infer`), never coalesced: the path
+        of a request that was built and checked already (a scoring job's batches) and needs nothing else."""
+        if self.closed:
+            raise ClientClosedError("the client this model handle belongs to is closed")
+        policy = self._policy(retry)
+        return await (self._traced(call, policy) if TRACING else self._send(call, policy))
+
+    def _policy(self, retry: bool | RetryPolicy) -> RetryPolicy:
+        if retry is True:
+            return self.retry
+        return NO_RETRY if retry is False else retry
+
+    async def _traced(self, call: Call, policy: RetryPolicy) -> InferResult:
+        request = call.request
+        span = start_span("triton.infer", model=request.model, version=request.version)
+        if span is None:
+            return await self._send(call, policy)
+        # Current for the whole call (one task): the transport sends its context, the fleet notes its replica.
+        return await _spanned(span, self._send(call, policy))
+
+    async def _send_under(self, span: Span, call: Call, policy: RetryPolicy) -> InferResult:
+        # A merged request is sent from the coalescer's task: it carries the span of the caller whose send it took
+        # (the batch's oldest), so Triton's span of the batch hangs under that caller's span.
+        token = span.attach()
+        try:
+            return await self._send(call, policy)
+        finally:
+            span.detach(token)
+
+    async def _send(self, call: Call, policy: RetryPolicy) -> InferResult:
         transport = self.transport
-        # The first attempt is the hot path: no retry machinery unless it fails with something retriable.
+        # The first attempt is the hot path: no retry machinery unless it fails with something the policy retries.
         started = time.monotonic()
         try:
-            return await transport.call(request, timeout_s=timeout_s, request_id=request_id).single()
+            return await transport.call(call).single()
         except TritonError as err:
-            if policy.max_attempts == 1 or not is_retriable(err):
+            if (policy.max_attempts == 1 and policy.max_moves == 0) or not policy.retriable(err):
                 raise
             first = err
 
-        async def attempt(remaining_s: float | None) -> InferResult:
-            return await transport.call(request, timeout_s=remaining_s, request_id=request_id).single()
+        async def attempt(budget_s: float | None) -> InferResult:
+            again = call if budget_s == call.timeout_s else attrs.evolve(call, timeout_s=budget_s)
+            return await transport.call(again).single()
 
-        # One deadline across every attempt, the first included.
-        left = None if timeout_s is None else timeout_s - (time.monotonic() - started)
-        return await run_with_retry(attempt, policy, timeout_s=left, failed_first=first)
+        elsewhere = getattr(transport, "elsewhere", None)
+        timeout_s = call.timeout_s
+        if policy.patience_s is None and timeout_s is not None:
+            timeout_s -= time.monotonic() - started  # one deadline across every attempt, the first included
+        return await run_with_retry(
+            attempt, policy, timeout_s=timeout_s, failed_first=first,
+            elsewhere=None if elsewhere is None else lambda: bool(elsewhere(call)),
+        )  # fmt: skip
+
+
+async def _spanned(span: Span, answer: Awaitable[InferResult]) -> InferResult:
+    """``answer`` awaited with ``span`` current, its outcome and first response recorded on it."""
+    token = span.attach()
+    try:
+        result = await answer
+    except BaseException as err:
+        span.finish(err)
+        raise
+    finally:
+        span.detach(token)
+    span.set_first_response()
+    span.finish()
+    return result

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Final, Self, TypeVar
+from typing import Any, Final, Self, TypeVar, Unpack
 from urllib.parse import SplitResult, urlsplit
 
 import attrs
@@ -24,7 +24,7 @@ from .._errors import (
 )
 from .._fleet import DNS_PREFIX, FleetOptions, FleetTransport, Place, ReplicaStatus, Resolver, parse_endpoint
 from .._model import ModelSpec, Plans
-from .._sessions import ChatMessage, ChatSession, ChatState, SequenceSession, defer_chat, defer_sequence
+from .._sessions import ChatOpenArgs, ChatSession, SequenceSession, defer_chat, defer_sequence
 from .._transport import DEFAULT_HTTP_CONNECTIONS, GrpcTransport, HttpTransport, TLSConfig, Transport
 from ._model import Model
 
@@ -662,31 +662,12 @@ class Client:
 
         return defer_sequence(name, fetch, **options)
 
-    def chat(
-        self,
-        name: str,
-        *,
-        version: str = "",
-        system: str | None = None,
-        history: Iterable[ChatMessage | tuple[str, str]] | None = None,
-        max_tokens: int | None = None,
-        min_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        stream_interval_ms: int | None = None,
-        sequence_id: int | str | None = None,
-        timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
-        replay_on_loss: bool = False,
-        resume: ChatState | None = None,
-    ) -> ChatSession:
+    def chat(self, name: str, *, version: str = "", **options: Unpack[ChatOpenArgs]) -> ChatSession:
         """``async with client.chat(name, system=...) as chat:``: the chat ``model.chat(...)`` gives, by name.
 
         The same :class:`ChatSession`, used the same way (``async with``, or ``await chat.aclose()`` when done).
-        The options are those of ``model.chat()`` (:func:`triton_npu_client.open_chat`), checked here; nothing is
-        sent here: the model is fetched (cached by the client) when the chat is entered or sends its first turn.
+        The options are those of ``model.chat()`` (:class:`~triton_npu_client.ChatOpenArgs`), checked here; nothing
+        is sent here: the model is fetched (cached by the client) when the chat is entered or sends its first turn.
         A chat model is decoupled, which Triton serves over the gRPC stream only: an HTTP client is refused here.
         To replay a conversation into a fresh chat: ``client.chat(name, history=old.messages)``. To go on with one the
         server still holds, sending only the next message (a chat's :attr:`~ChatSession.state`, perhaps saved by
@@ -703,9 +684,4 @@ class Client:
         async def fetch() -> Model:
             return await self.model(name, version=version)
 
-        return defer_chat(
-            name, fetch, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stream_interval_ms=stream_interval_ms, sequence_id=sequence_id, timeout_s=timeout_s,
-            replay_on_loss=replay_on_loss, resume=resume,
-        )
+        return defer_chat(name, fetch, **options)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Unpack
 
-from .._call import USE_CLIENT_DEFAULT, Caller, UseClientDefault
+from .._call import USE_CLIENT_DEFAULT, Call, Caller, UseClientDefault
 from .._errors import UsageError
 from .._model import InputsArg, ModelSpec, Plans, build_request
-from .._sessions import ChatMessage, ChatSession, ChatState, SequenceSession, open_chat, open_sequence
+from .._sessions import ChatOpenArgs, ChatSession, SequenceSession, open_chat, open_sequence
 from .._wire import InferRequest, InferResult
 
 __all__ = ["Model"]
@@ -178,7 +178,7 @@ class Model:
             raise self._refusal()
         req = self._build(inputs, named, False, outputs, allow_lossy)
         responses = self._caller.call(
-            req, timeout_s=self._caller.timeout(timeout_s), route="own", many=self._spec.decoupled
+            Call(request=req, timeout_s=self._caller.timeout(timeout_s), route="own", many=self._spec.decoupled)
         )
         try:
             async for result in responses:
@@ -196,30 +196,10 @@ class Model:
         """
         return open_sequence(self, **options)
 
-    def chat(
-        self,
-        *,
-        system: str | None = None,
-        history: Iterable[ChatMessage | tuple[str, str]] | None = None,
-        max_tokens: int | None = None,
-        min_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        stream_interval_ms: int | None = None,
-        sequence_id: int | str | None = None,
-        timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
-        replay_on_loss: bool = False,
-        resume: ChatState | None = None,
-    ) -> ChatSession:
+    def chat(self, **options: Unpack[ChatOpenArgs]) -> ChatSession:
         """A chat on this chat model (decoupled, sequence batching; gRPC only): ``async with model.chat() as chat:``.
 
-        The options are those of :func:`triton_npu_client.open_chat`. No I/O until the first turn.
+        The options are those of :func:`triton_npu_client.open_chat` (:class:`triton_npu_client.ChatOpenArgs`). No
+        I/O until the first turn.
         """
-        return open_chat(
-            self, system=system, history=history, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, stop=stop, stream_interval_ms=stream_interval_ms,
-            sequence_id=sequence_id, timeout_s=timeout_s, replay_on_loss=replay_on_loss, resume=resume,
-        )
+        return open_chat(self, **options)

@@ -63,14 +63,13 @@ from ._exceptions import (
 
 if _typing.TYPE_CHECKING:
     from ._classify import (
-        MISSING_START,
         StepVerdict,
         judge_step,
         map_error,
         map_stream_error,
     )
 
-_CLASSIFY = frozenset({"MISSING_START", "StepVerdict", "judge_step", "map_error", "map_stream_error"})
+_CLASSIFY = frozenset({"StepVerdict", "judge_step", "map_error", "map_stream_error"})
 
 
 def __getattr__(name: str) -> _typing.Any:
@@ -104,7 +103,6 @@ __all__ = [
     "JobAborted",
     "JobPathError",
     "LocalServerError",
-    "MISSING_START",
     "MissingInputError",
     "ModelLoadError",
     "ModelNotFoundError",

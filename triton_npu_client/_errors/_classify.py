@@ -2,7 +2,7 @@
 one place that judges what a failed sequence step means for its sequence (:func:`judge_step`).
 
 Classification is by exception type and status code (gRPC ``StatusCode``, HTTP status). Message text is read for
-the phrases in :data:`SIGNALS` alone, each matched whole: the server toolkit's markers (``server/_markers.py``:
+the phrases in :data:`SIGNALS` alone, each matched whole: the server toolkit's markers (``_protocol/_markers.py``:
 a fixed ``[triton-npu:...]`` tag at the start of each of its refusals, :data:`INVALID_INPUT` among them) and the
 few phrases of Triton 2.51 that carry a meaning no status code carries (a sequence step without START or without
 a correlation id, a dead Python stub, the restricted-protocol refusal that Triton sends as UNAVAILABLE, and an
@@ -40,7 +40,7 @@ from typing import Final
 import attrs
 import grpc
 
-from ..server._markers import INVALID_INPUT, SEQUENCE_BUSY, SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
+from .._protocol import INVALID_INPUT, SEQUENCE_BUSY, SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 from ._exceptions import (
     ConnectError,
     InternalServerError,
@@ -66,6 +66,10 @@ MISSING_START: Final = "must specify the START flag"
 NO_CORRELATION_ID: Final = "must specify a non-zero or non-empty correlation ID"
 STUB_DEAD: Final = "Stub process is not healthy"
 RESTRICTED: Final = "This protocol is restricted"
+# What a missing-START refusal (typed SequenceLost) adds to Triton's words: what they mean for the caller.
+NOT_HELD: Final = (
+    "the server holds no such sequence (never started, or lost: idle timeout, restart, reload); start a new one"
+)
 # How Triton begins both "... is not found" and "... has no available versions" (an unloaded model).
 UNKNOWN_MODEL: Final = "Request for unknown model: "
 SIGNALS: Final = (MISSING_START, NO_CORRELATION_ID, STUB_DEAD, RESTRICTED, UNKNOWN_MODEL, SEQUENCE_UNKNOWN,
@@ -326,7 +330,7 @@ def map_error(
     cls = _by_signal(message) or cls
     where = f"model {model!r}: " if model else ""
     return cls(
-        f"{where}{message}",
+        f"{where}{_explained(cls, message)}",
         model=model,
         version=version,
         request_id=request_id or None,
@@ -386,7 +390,12 @@ def _by_signal(message: str) -> type[TritonError] | None:
         return SequenceCapacityError
     if SEQUENCE_BUSY in message:
         return SequenceBusyError
-    if MISSING_START in message or NO_CORRELATION_ID in message or SEQUENCE_UNKNOWN in message:
+    if MISSING_START in message:
+        # Triton's refusal of a step for a sequence it holds no slot for (never started, or its state is gone: the
+        # idle timeout, a restart, a reload). Typed here, once, so no caller (the session's judge, the fleet's pins)
+        # ever reads the words.
+        return SequenceLost
+    if NO_CORRELATION_ID in message or SEQUENCE_UNKNOWN in message:
         return SequenceError
     if STUB_DEAD in message:
         return InternalServerError
@@ -411,7 +420,13 @@ def map_stream_error(
     cls = _by_signal(message)
     if cls is None:
         cls = ModelNotFoundError if UNKNOWN_MODEL in message else InternalServerError
-    return cls(f"{where}{message}", model=model, request_id=request_id or None, sequence_id=sequence_id)
+    text = _explained(cls, message)
+    return cls(f"{where}{text}", model=model, request_id=request_id or None, sequence_id=sequence_id)
+
+
+def _explained(cls: type[TritonError], message: str) -> str:
+    """``message``, with what it means when Triton's own words do not say it (a missing START is a lost sequence)."""
+    return f"{message} ({NOT_HELD})" if cls is SequenceLost else message
 
 
 @attrs.frozen(kw_only=True)
@@ -429,8 +444,10 @@ def judge_step(err: TritonError, *, sequence_id: int | str, start: bool, acknowl
 
     Lost, only on a signal that the server dropped the sequence or that the step's outcome is unknown:
 
-    - a missing START after an acknowledged step (Triton's idle timeout, a restart, a reload), a model that is
-      gone (unloaded or reloaded), a dead stub: the state is gone and there is nothing to END;
+    - a :class:`SequenceLost` from below (Triton's missing-START refusal after an acknowledged step: its idle
+      timeout, a restart, a reload; the fleet's, when the sequence's replica failed), a model that is gone
+      (unloaded or reloaded), a dead stub: the state is gone and there is nothing to END. A SequenceLost gets the
+      step count and the sequence id here;
     - the toolkit's "unknown sequence" marker: the model lost the state, but Triton may still hold the slot,
       so END is still sent;
     - a transport failure or a timeout: the step may or may not have run; END is still sent.
@@ -440,6 +457,11 @@ def judge_step(err: TritonError, *, sequence_id: int | str, start: bool, acknowl
     """
     text = err.message
     if isinstance(err, SequenceLost):
+        # Triton's missing-START refusal (typed so by the classifier) or the fleet's refusal of a step whose replica
+        # failed: the slot is gone, nothing to END. Neither knew how many steps were acknowledged; the caller does.
+        err.steps_acknowledged = acknowledged
+        if err.sequence_id is None:
+            err.sequence_id = sequence_id
         return StepVerdict(error=err, lost=True, send_end=False)
     if isinstance(err, RequestTimeout):
         # This step's error is the timeout; later steps cannot trust the state.
@@ -450,7 +472,7 @@ def judge_step(err: TritonError, *, sequence_id: int | str, start: bool, acknowl
     if start:
         # Nothing was built before the first acknowledged step: a refused START is just this step's error.
         return StepVerdict(error=err, lost=False, send_end=not isinstance(err, SequenceCapacityError))
-    gone = MISSING_START in text or STUB_DEAD in text or isinstance(err, ModelNotFoundError)
+    gone = STUB_DEAD in text or isinstance(err, ModelNotFoundError)
     if gone or SEQUENCE_UNKNOWN in text:
         return StepVerdict(error=_lost(err, sequence_id, acknowledged, text), lost=True, send_end=not gone)
     return StepVerdict(error=err, lost=False, send_end=True)

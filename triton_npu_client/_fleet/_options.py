@@ -6,6 +6,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 
+from .._transport import backoff_s
+
 __all__ = ["FleetOptions", "Resolver"]
 
 # (host, port) -> the addresses the name stands for now (IPv4 or IPv6 literals). The default asks the system
@@ -37,4 +39,5 @@ class FleetOptions:
 
     def backoff_s(self, failures: int) -> float:
         """Seconds before the next probe of a replica that has failed ``failures`` times in a row (>= 1)."""
-        return float(min(self.max_probe_backoff_s, self.probe_backoff_s * 2 ** max(0, min(failures - 1, 30))))
+        # The retry layer's one backoff curve (no jitter: one client's probes do not need spreading).
+        return backoff_s(max(failures, 1), initial_s=self.probe_backoff_s, max_s=self.max_probe_backoff_s)

@@ -4,8 +4,9 @@ It is a :class:`~triton_npu_client._transport.Transport` like the one-server tra
 handles, coalescing, sessions, chats, scoring) knows how many replicas there are. Per call it picks a replica:
 
 - **stateless requests** go to the healthy replica serving the model with the fewest requests in flight from this
-  client, and move to another one when a replica fails with what the retry policy already treats as "the server
-  never took it" (:class:`ConnectError`, :class:`ServerUnavailable`), within the request's own deadline;
+  client, once: a replica that fails with "unreachable" (:func:`is_replica_failure`) is taken out, and the caller's
+  retry loop, told by :meth:`FleetTransport.elsewhere` that another replica is there, sends the same :class:`Call`
+  again at once (the policy's "other"), which goes to another replica; the fleet has no retry loop of its own;
 - **sequence steps** (so chats too) go to the replica the sequence is pinned to. A START pins it by rendezvous
   hashing of (model, sequence id) over the healthy replicas serving the model, so other client processes pick the
   same replica unaided; the pin then holds for the sequence's life, whatever joins later. A step whose replica
@@ -26,28 +27,25 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, Literal, Self, TypeVar
+from typing import Final, Literal, Self, TypeVar
 
 from .._errors import (
-    MISSING_START,
     ClientClosedError,
-    ConnectError,
     PermissionDeniedError,
-    RequestTimeout,
     SequenceLost,
     ServerUnavailable,
     TritonError,
     UsageError,
 )
 from .._trace import note_replica
-from .._transport import Json, OneResponse, OnSend, Responses, Route, Transport
-from .._wire import InferRequest, InferResult
+from .._transport import Call, Json, OneResponse, Responses, Transport, is_replica_failure
+from .._wire import InferResult
 from ._discovery import Endpoint, Place, system_resolver
 from ._hashing import rendezvous, sequence_key
 from ._options import FleetOptions, Resolver
 from ._replica import Replica, ReplicaStatus
 
-__all__ = ["FleetTransport", "is_replica_failure"]
+__all__ = ["FleetTransport"]
 
 _log = logging.getLogger("triton_npu_client.fleet")
 
@@ -55,17 +53,6 @@ T = TypeVar("T")
 MakeTransport = Callable[[Place], Transport]
 
 _NUMERIC_MAX: Final = frozenset({"last_inference"})
-
-
-def is_replica_failure(err: BaseException) -> bool:
-    """A failure that says the replica itself is unreachable or refusing all work: take it out, move on.
-
-    The same kinds the retry policy treats as "never taken" (so moving a stateless request is as safe as retrying
-    it), minus overload (RESOURCE_EXHAUSTED, 429, 503), which says "busy", not "gone".
-    """
-    if isinstance(err, ConnectError):
-        return True
-    return isinstance(err, ServerUnavailable) and err.status in (None, "UNAVAILABLE", "502")
 
 
 class FleetTransport:
@@ -355,35 +342,25 @@ class FleetTransport:
             if end:
                 self._pins.pop(key, None)
             return
-        gone = isinstance(err, SequenceLost) or (isinstance(err, TritonError) and MISSING_START in err.message)
+        gone = isinstance(err, SequenceLost)  # Triton's missing-START refusal too: the classifier types it
         if gone or is_replica_failure(err):
             self._pins.pop(key, None)
 
     # -- the call primitive -----------------------------------------------------------------------------
 
-    def call(
-        self,
-        request: InferRequest,
-        *,
-        timeout_s: float | None,
-        route: Route = "unary",
-        many: bool = False,
-        request_id: str = "",
-        sequence_id: int | str | None = None,
-        sequence_start: bool = False,
-        sequence_end: bool = False,
-        on_send: OnSend | None = None,
-    ) -> Responses:
+    def call(self, call: Call, /) -> Responses:
         if self._closed:
             raise ClientClosedError("this client is closed")
-        if route != "unary" and not self.can_stream:
-            raise UsageError(f"route {route!r} needs gRPC; this client speaks {self._protocol}")
-        if sequence_id is None and route == "unary" and not many:
-            return _Stateless(self, request, timeout_s, request_id, on_send)
-        return _Routed(
-            self, request, timeout_s=timeout_s, route=route, many=many, request_id=request_id,
-            sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end, on_send=on_send,
-        )  # fmt: skip
+        if call.route != "unary" and not self.can_stream:
+            raise UsageError(f"route {call.route!r} needs gRPC; this client speaks {self._protocol}")
+        if call.stateless:
+            return _Stateless(self, call)
+        return _Routed(self, call)
+
+    def elsewhere(self, call: Call) -> bool:
+        """Whether a stateless ``call`` sent again now would find a healthy replica serving its model (replicas that
+        failed it are out): the retry policy then moves it there at once instead of backing off."""
+        return call.stateless and self._pick(call.model, set()) is not None
 
     # -- admin calls --------------------------------------------------------------------------------------
 
@@ -553,93 +530,49 @@ def _number(value: object) -> bool:
 
 
 class _Stateless(OneResponse):
-    """A stateless request: the least-loaded replica, and the next one while replicas fail, within the deadline."""
+    """A stateless request, sent once to the least-loaded replica; a replica that fails it is taken out."""
 
-    __slots__ = ("_fleet", "_on_send", "_request", "_request_id", "_timeout_s")
+    __slots__ = ("_call", "_fleet")
 
-    def __init__(
-        self, fleet: FleetTransport, request: InferRequest, timeout_s: float | None, request_id: str,
-        on_send: OnSend | None,
-    ) -> None:  # fmt: skip
+    def __init__(self, fleet: FleetTransport, call: Call) -> None:
         super().__init__()
         self._fleet = fleet
-        self._request = request
-        self._timeout_s = timeout_s
-        self._request_id = request_id
-        self._on_send = on_send
+        self._call = call
 
     async def _send(self) -> InferResult:
         fleet = self._fleet
         if fleet._first is None or not fleet._first.done():
             await fleet.ready()
-        model = self._request.model
-        timeout_s = self._timeout_s
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        tried: set[str] = set()
-        last: TritonError | None = None
-        while True:
-            replica = fleet._pick(model, tried)
-            if replica is None:
-                raise last or fleet._no_replica(model)
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise last or RequestTimeout(f"no time left to send to model {model!r}", model=model)
-            note_replica(replica.url)
-            replica.outstanding += 1
-            replica.requests += 1
-            epoch = replica.epoch
-            began = time.perf_counter()
-            try:
-                result = await replica.transport.call(
-                    self._request, timeout_s=left, request_id=self._request_id, on_send=self._on_send
-                ).single()
-            except TritonError as err:
-                replica.errors += 1
-                if not is_replica_failure(err):
-                    raise
+        call = self._call
+        replica = fleet._pick(call.model, set())
+        if replica is None:
+            raise fleet._no_replica(call.model)
+        note_replica(replica.url)
+        replica.outstanding += 1
+        replica.requests += 1
+        epoch = replica.epoch
+        began = time.perf_counter()
+        try:
+            result = await replica.transport.call(call).single()
+        except TritonError as err:
+            replica.errors += 1
+            if is_replica_failure(err):
                 fleet._take_out(replica, err, epoch=epoch)
-                tried.add(replica.url)
-                last = err
-                continue
-            finally:
-                replica.outstanding -= 1
-            replica.latencies.append((time.perf_counter() - began) * 1e3)
-            return result
+            raise
+        finally:
+            replica.outstanding -= 1
+        replica.latencies.append((time.perf_counter() - began) * 1e3)
+        return result
 
 
 class _Routed:
     """A sequence step or a streamed request: one replica, chosen when the answers are first read."""
 
-    __slots__ = (
-        "_began", "_done", "_epoch", "_fleet", "_inner", "_kwargs", "_model", "_replica", "_request", "_sequence_end",
-        "_sequence_id", "_sequence_start",
-    )  # fmt: skip
+    __slots__ = ("_began", "_call", "_done", "_epoch", "_fleet", "_inner", "_replica")
 
-    def __init__(
-        self,
-        fleet: FleetTransport,
-        request: InferRequest,
-        *,
-        timeout_s: float | None,
-        route: Route,
-        many: bool,
-        request_id: str,
-        sequence_id: int | str | None,
-        sequence_start: bool,
-        sequence_end: bool,
-        on_send: OnSend | None,
-    ) -> None:
+    def __init__(self, fleet: FleetTransport, call: Call) -> None:
         self._fleet = fleet
-        self._request = request
-        self._model = request.model
-        self._sequence_id = sequence_id
-        self._sequence_start = sequence_start
-        self._sequence_end = sequence_end
-        self._kwargs: dict[str, Any] = {
-            "timeout_s": timeout_s, "route": route, "many": many, "request_id": request_id,
-            "sequence_id": sequence_id, "sequence_start": sequence_start, "sequence_end": sequence_end,
-            "on_send": on_send,
-        }  # fmt: skip
+        self._call = call
         self._inner: Responses | None = None
         self._replica: Replica | None = None
         self._done: Literal[False, True] = False
@@ -650,19 +583,20 @@ class _Routed:
         fleet = self._fleet
         if fleet._first is None or not fleet._first.done():
             await fleet.ready()
-        if self._sequence_id is None:
-            replica = fleet._pick(self._model, set())
+        call = self._call
+        if call.sequence_id is None:
+            replica = fleet._pick(call.model, set())
             if replica is None:
-                raise fleet._no_replica(self._model)
+                raise fleet._no_replica(call.model)
         else:
-            replica = fleet._place_sequence(self._model, self._sequence_id, self._sequence_start)
+            replica = fleet._place_sequence(call.model, call.sequence_id, call.sequence_start)
         note_replica(replica.url)
         self._replica = replica
         self._epoch = replica.epoch
         replica.outstanding += 1
         replica.requests += 1
         self._began = time.perf_counter()
-        inner = self._inner = replica.transport.call(self._request, **self._kwargs)
+        inner = self._inner = replica.transport.call(call)
         return inner
 
     def _finish(self, err: BaseException | None, *, answered: bool) -> None:
@@ -677,10 +611,9 @@ class _Routed:
                 self._fleet._take_out(replica, err, epoch=self._epoch)
         elif answered:
             replica.latencies.append((time.perf_counter() - self._began) * 1e3)
-        if self._sequence_id is not None and (err is not None or answered):
-            self._fleet._after_sequence_call(
-                replica, self._model, self._sequence_id, end=self._sequence_end, err=err
-            )
+        call = self._call
+        if call.sequence_id is not None and (err is not None or answered):
+            self._fleet._after_sequence_call(replica, call.model, call.sequence_id, end=call.sequence_end, err=err)
 
     def __aiter__(self) -> Self:
         return self

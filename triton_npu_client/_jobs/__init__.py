@@ -8,6 +8,7 @@ checkpoint before anything is opened; ``_score`` is the job.
 from ._checkpoint import CheckpointMismatch, ResumableOutput
 from ._ordered import ordered_map
 from ._plan import JobPlan, plan_job
+from ._preflight import check_model, check_source, repository_spec
 from ._ray import RayScorer
 from ._safety import (
     CheckpointFilesMismatch,
@@ -21,7 +22,7 @@ from ._safety import (
     UnknownFormatError,
 )
 from ._score import ScoredBatch, ScoredRow, ScoreSummary, score, score_batches, score_rows, score_sync
-from .formats import MAX_LINE_BYTES, read_rows
+from .formats import MAX_LINE_BYTES, input_format, output_format, read_rows
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -41,9 +42,14 @@ __all__ = [
     "ScoredBatch",
     "ScoredRow",
     "UnknownFormatError",
+    "check_model",
+    "check_source",
+    "input_format",
     "ordered_map",
+    "output_format",
     "plan_job",
     "read_rows",
+    "repository_spec",
     "score",
     "score_batches",
     "score_rows",

@@ -54,13 +54,15 @@ def plan_job(
     overwrite: bool = False,
     resume: bool = False,
     apply: bool = True,
+    keep: Sequence[str] = (),
 ) -> JobPlan:
     """Check a job before anything is opened; see :mod:`._safety` for the rules and errors.
 
     ``source`` None: an in-memory source, which resumes from a checkpoint only with ``resume`` (and starts over
     only with ``overwrite``). ``overwrite``: replace files the job did not write, a symlink at a job path (the link,
     not its target), and a checkpoint of another job or one that disagrees with its files (the job starts over).
-    ``apply`` False: judge only, change nothing (the CLI before it starts a server).
+    ``apply`` False: judge only, change nothing (the CLI before it starts a server). ``keep``: input fields the
+    output carries (part of the job's identity).
     """
     output = Path(output)
     errors_path = Path(errors) if errors is not None else default_errors_path(output)
@@ -73,10 +75,12 @@ def plan_job(
         fmt_in = input_format(src, input_format_name)
     output_format(output, output_format_name)
     options = f"model={model};batch={batch_size};outputs={list(outputs) if outputs else None}"
+    if keep:
+        options += f";keep={list(keep)}"  # only then: the fingerprint of a job without keep is as it always was
     fingerprint = (input_fingerprint(src, fmt_in, st) if src is not None and fmt_in is not None else "iterable")
     fingerprint += f";{options}"
     writer = open_writer(output, fingerprint=fingerprint, errors_path=errors_path, format=output_format_name,
-                         **({"output": outputs[0]} if outputs and len(outputs) == 1 else {}))
+                         keep=keep, **({"output": outputs[0]} if outputs and len(outputs) == 1 else {}))
     owned = check_job_paths(
         input_path=src, input_stat=st,
         paths=[("output", output), ("errors", errors_path), ("checkpoint", writer.checkpoint_path)],

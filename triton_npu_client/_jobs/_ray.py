@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from .._call import RetryPolicy
 from .._errors import (
     ConnectError,
     JobAborted,
     MissingInputError,
     ModelNotFoundError,
-    ModelNotReadyError,
-    RequestTimeout,
-    ServerUnavailable,
+    TritonError,
     UnknownInputError,
     UnknownOutputError,
     UsageError,
@@ -52,8 +51,6 @@ T = TypeVar("T")
 # An endpoint that stayed unreachable is skipped by the worker's next batches for this long, so that a dead
 # replica costs one failover wait per worker, not one per batch; afterwards it is tried again in its turn.
 _DOWN_FOR_S = 30.0
-# Errors that say "this endpoint cannot take work now" rather than "this row is wrong": another replica may.
-_UNREACHABLE = (ConnectError, ServerUnavailable, RequestTimeout, ModelNotFoundError, ModelNotReadyError, JobAborted)
 
 
 class RayScorer:
@@ -249,6 +246,8 @@ class _Worker:
         self.urls = scorer.urls
         self.turn = zlib.crc32(_worker_key().encode()) % len(self.urls)
         self.down_until = dict.fromkeys(self.urls, 0.0)
+        # The job's one retry policy: what is transient, how long the worker waits for it, the backoff between rounds.
+        self.policy = RetryPolicy.patient(scorer.patience_s)
         self.clients: dict[str, Client] = {}
         self.models: dict[str, Model] = {}
         self._spec: ModelSpec | None = None
@@ -334,35 +333,64 @@ class _Worker:
         return scored
 
     async def _with_endpoint(self, work: Callable[[Model], Awaitable[None]]) -> None:
-        """Run ``work(model)`` on this batch's endpoints in turn until one completes it, within ``patience_s``."""
-        deadline = time.monotonic() + self.scorer.patience_s
-        delay = 0.1
+        """Run ``work(model)`` on this batch's endpoints in turn until one completes it, within ``patience_s``.
+
+        Where to go next and how long to wait is the retry policy's call (one policy for the whole job): an endpoint
+        whose scoring gave up after ``failover_after_s`` hands over to the next one at once while there is one this
+        round; when every endpoint failed once, the round backs off before the next.
+        """
+        policy = self.policy
+        started = time.monotonic()
+        waits = 0
         last: BaseException | None = None
         while True:
             not_found = 0
             for url in self._order():
-                if last is not None and time.monotonic() > deadline:
-                    raise JobAborted(
-                        f"no endpoint of {list(self.urls)} took model {self.scorer.model!r} for "
-                        f"{self.scorer.patience_s:g} s (patience_s); last error: {last}",
-                        model=self.scorer.model,
-                    ) from last
                 try:
                     await work(await self.model(url))
                     return
-                except _UNREACHABLE as err:
+                except TritonError as err:
+                    if not _unreachable(policy, err):
+                        raise
                     last = err
                     not_found += isinstance(err, ModelNotFoundError)
                     self.down_until[url] = time.monotonic() + _DOWN_FOR_S
                     # The model may come back under another config (a reload): fetch it again next time.
                     self.models.pop(url, None)
+                if time.monotonic() - started > policy.patience_s:  # type: ignore[operator]
+                    raise self._aborted(last)
+                # Another endpoint left this round: on to it at once (the policy's "other" for an unreachable one).
             if self._spec is None and not_found == len(self.urls):
                 # No endpoint has ever known the model: a wrong name, not a replica restarting.
                 assert last is not None
                 raise last
-            # Every endpoint failed once for this batch: back off before the next round.
-            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 2.0)
+            decision = policy.decide(
+                _as_transient(last), waits=waits, failing_for_s=time.monotonic() - started,
+            )  # fmt: skip
+            if decision is None:
+                raise self._aborted(last)
+            waits += 1
+            await asyncio.sleep(decision.delay_s)
+
+    def _aborted(self, last: BaseException | None) -> JobAborted:
+        err = JobAborted(
+            f"no endpoint of {list(self.urls)} took model {self.scorer.model!r} for "
+            f"{self.scorer.patience_s:g} s (patience_s); last error: {last}",
+            model=self.scorer.model,
+        )
+        err.__cause__ = last
+        return err
+
+
+def _unreachable(policy: RetryPolicy, err: BaseException) -> bool:
+    """"This endpoint cannot take work now" rather than "this row is wrong": another endpoint may. A scoring run
+    that gave up (JobAborted) on its endpoint after ``failover_after_s`` is one."""
+    return isinstance(err, JobAborted) or policy.retriable(err)
+
+
+def _as_transient(err: BaseException | None) -> BaseException:
+    # The policy judges Triton errors; an endpoint whose scoring gave up counts as one that is unreachable.
+    return ConnectError(str(err)) if err is None or isinstance(err, JobAborted) else err
 
 
 async def _fetched(model: Model) -> None:

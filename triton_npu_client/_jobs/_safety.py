@@ -207,8 +207,9 @@ def check_job_paths(
             if f.st is not None:
                 raise OutputExistsError(
                     f"the {_flag(f.role)} {f.path} exists and this job did not write it (no checkpoint "
-                    f"{checkpoint.path if checkpoint else ''} vouches for it): choose another path, remove it, or "
-                    "pass overwrite=True (--overwrite) to replace it",
+                    f"{checkpoint.path if checkpoint else ''} vouches for it; a complete job removes its checkpoint "
+                    "unless keep_checkpoint=True (--keep-checkpoint)): choose another path, remove it, or pass "
+                    "overwrite=True (--overwrite) to replace it",
                     path=f.path, role=f.role,
                 )
     if overwrite and apply:

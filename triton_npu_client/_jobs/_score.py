@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -35,25 +34,21 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from .._call import USE_CLIENT_DEFAULT, UseClientDefault
+from .._call import USE_CLIENT_DEFAULT, Call, RetryPolicy, UseClientDefault, run_with_retry
 from .._errors import (
-    ConnectError,
     JobAborted,
-    ModelNotFoundError,
-    ModelNotReadyError,
-    RequestTimeout,
     RowParseError,
-    ServerUnavailable,
-    UnknownOutputError,
     UsageError,
 )
-from .._model import Arrays, ModelSpec, validate_batch, validate_row
-from .._wire import InferRequest, InferResult
+from .._model import Arrays, ModelSpec, checked_request, validate_batch, validate_row
+from .._wire import InferResult
 from ._ordered import aiter_any, ordered_map
 from ._plan import plan_job
+from ._preflight import check_model
 from ._progress import Progress
 from ._safety import InputFileError, JobPathError
-from .formats import MAX_LINE_BYTES, BadRow, RowSource, read_rows
+from .formats import MAX_LINE_BYTES, BadRow, ResultWriter, RowSource, read_rows
+from .formats import output_format as output_format_of
 
 if TYPE_CHECKING:
     from .._client import Model
@@ -98,6 +93,8 @@ class ScoreSummary:
     complete: bool
     job_rows_ok: int = -1
     job_rows_failed: int = -1
+    # The complete job removed its errors file, which held no row (keep_checkpoint=False).
+    errors_removed: bool = False
 
     def __attrs_post_init__(self) -> None:
         # A summary made by hand (no earlier runs known): the job is this run.
@@ -123,7 +120,8 @@ class ScoreSummary:
         state = "" if self.complete else " (incomplete)"
         return (
             f"scored {self.rows:,} rows in {self.elapsed_s:.1f} s ({self.rows_per_s:,.0f} rows/s){resumed}: "
-            f"{self.rows_ok:,} ok, {self.rows_failed:,} failed{state}; output {self.output}, errors {self.errors}"
+            f"{self.rows_ok:,} ok, {self.rows_failed:,} failed{state}; output {self.output}, "
+            + ("no errors file (no row failed)" if self.errors_removed else f"errors {self.errors}")
         )
 
 
@@ -199,18 +197,19 @@ def _as_columns(chunk: _Chunk, spec: ModelSpec) -> Mapping[str, Any] | None:
     return columns
 
 
-def _prepare(chunk: _Chunk, spec: ModelSpec, literal: bool = False) -> _Unit:
+def _prepare(chunk: _Chunk, spec: ModelSpec, literal: bool = False, allow_lossy: bool = False) -> _Unit:
     """Check a chunk against the model: as one batch when it can be, row by row only when a row is refused.
 
     Either way the outcome is what checking each row alone gives (the one validator, ``validate_row`` and
     ``validate_batch``, applies the same rules); the batch check costs one conversion per input instead of one per
     row, which is what keeps a job of many small rows off the Python interpreter. ``literal``: the rows come from
-    a file whose numbers convert as Python numbers do (see ``validate_row``).
+    a file whose numbers convert as Python numbers do (see ``validate_row``). ``allow_lossy``: any numeric cast is
+    the caller's choice (a float64 array into an FP32 input).
     """
     columns = _as_columns(chunk, spec)
     if columns is not None:
         try:
-            batch = validate_batch(spec, columns, rows=True, literal=literal)
+            batch = validate_batch(spec, columns, rows=True, literal=literal, allow_lossy=allow_lossy)
         except UsageError:
             pass
         else:
@@ -235,7 +234,7 @@ def _prepare(chunk: _Chunk, spec: ModelSpec, literal: bool = False) -> _Unit:
         if isinstance(row, Mapping) and not all(name in inputs for name in row):
             row = {name: value for name, value in row.items() if name in inputs}  # a record's other fields
         try:
-            arrays = validate_row(spec, row, literal=literal)
+            arrays = validate_row(spec, row, literal=literal, allow_lossy=allow_lossy)
         except UsageError as err:
             refused[i] = err
             continue
@@ -398,24 +397,33 @@ def _scored(unit: _Unit, outcome: Outcome | Exception) -> ScoredBatch:
 # -- sending, with retries and isolation ----------------------------------------------------------------------------
 
 
-def _transient(err: BaseException) -> bool:
-    # A model that is missing or not ready was there when the job began (its config was read): it is coming back
-    # with a restarting server. A timeout on a stateless request is safe to repeat.
-    return isinstance(err, ConnectError | ServerUnavailable | RequestTimeout | ModelNotFoundError | ModelNotReadyError)
-
-
 @attrs.define
 class _Sender:
+    """Sends a job's checked batches: each goes to the wire as it is (no second check, no coalescing), retried by the
+    caller's one loop under the job's patient policy; a batch the server refuses is halved down to the bad rows."""
+
     model: Model
     outputs: Sequence[str] | None
     timeout_s: float | UseClientDefault | None
     patience_s: float
     pool: Any = None  # a SharedMemoryPool when shared memory is on
+    # What may be transient (no connection, a server restarting, a model gone meanwhile: its config was read when
+    # the job began, a timeout: a stateless request is safe to repeat) is retried for patience_s after its first
+    # failure. The client's own policy is not applied as well: one loop, this policy.
+    policy: RetryPolicy = attrs.field(init=False)
+    _timeout: float | None = attrs.field(init=False)
+    _wanted: tuple[str, ...] = attrs.field(init=False)
+    _headers: dict[tuple[object, ...], bytes] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.policy = RetryPolicy.patient(self.patience_s)
+        self._timeout = self.model.caller.timeout(self.timeout_s)
+        self._wanted = tuple(self.outputs or ())
 
     async def send(self, positions: Sequence[int], batch: Arrays) -> Outcome:
         """The outputs of the rows at ``positions``, or the error of each part that failed alone (by halving)."""
         try:
-            result = await self._send_transient(batch)
+            result = await self._send_patiently(batch)
         except JobAborted:
             raise
         except Exception as err:
@@ -432,61 +440,38 @@ class _Sender:
             outcome += await self.send(positions, batch)
         return outcome
 
-    async def _send_transient(self, batch: Arrays) -> InferResult:
-        first_failure: float | None = None
-        delay = 0.1
-        request: InferRequest | None = None
-        while True:
-            try:
-                if self.pool is not None:
-                    return await self.pool.infer_batch(batch, outputs=self.outputs)  # type: ignore[no-any-return]
-                # Sent as built: the job chose its batch shape (batch_size), so no coalescing behind its back;
-                # the request is encoded once and reused by the transient retries.
-                if request is None:
-                    request = self.model.batch_request(batch, outputs=self.outputs)
-                return await self.model.infer_request(request, timeout_s=self.timeout_s, coalesce=False)
-            except Exception as err:
-                if not _transient(err):
-                    raise
-                now = time.monotonic()
-                if first_failure is None:
-                    first_failure = now
-                elif now - first_failure > self.patience_s:
-                    raise JobAborted(
-                        f"model {self.model.name!r} unreachable for {now - first_failure:.0f} s "
-                        f"(patience_s={self.patience_s:g}); last error: {err}",
-                        model=self.model.name,
-                    ) from err
-                _log.info("transient failure (%s); retrying in %.2f s", err, delay)
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))  # jitter: many slots do not retry in step
-                delay = min(delay * 2, 2.0)
+    async def _send_patiently(self, batch: Arrays) -> InferResult:
+        policy = self.policy
+        try:
+            if self.pool is not None:
+                pool = self.pool
+                return await run_with_retry(
+                    lambda _budget: pool.infer_batch(batch, outputs=self.outputs), policy, timeout_s=self._timeout
+                )
+            # The batch was checked as a whole (_prepare): encoded once, sent as built (the job chose its shape).
+            request = checked_request(self.model.spec, batch, outputs=self._wanted, headers=self._headers)
+            return await self.model.caller.send(Call(request=request, timeout_s=self._timeout), policy)
+        except Exception as err:
+            if not policy.retriable(err):
+                raise
+            raise JobAborted(
+                f"model {self.model.name!r} unreachable for over {self.patience_s:g} s (patience_s); last error: "
+                f"{err}",
+                model=self.model.name,
+            ) from err
 
 
-def _job_size(model: Model, batch_size: int | None, concurrency: int, outputs: Sequence[str] | None) -> int:
-    """The rows per request; refuses a model or options a scoring job cannot use."""
-    spec = model.spec
-    if spec.sequence is not None or spec.decoupled:
-        raise UsageError(
-            f"model {spec.name!r} is {'stateful' if spec.sequence is not None else 'decoupled'}: "
-            "score() sends stateless requests",
-            model=spec.name,
-        )
-    if not spec.batched:
-        raise UsageError(f"model {spec.name!r} has no batch dimension (max_batch_size 0): score() packs rows "
-                         "into batches", model=spec.name)
-    size = spec.max_batch_size if batch_size is None else batch_size
-    if not 1 <= size <= spec.max_batch_size:
-        raise UsageError(f"batch_size must be in [1, {spec.max_batch_size}] (the model's max_batch_size), got {size}",
-                         model=spec.name)
-    if concurrency < 1:
-        raise UsageError(f"concurrency must be >= 1, got {concurrency}")
-    for name in outputs or ():
-        if spec.output(name) is None:
-            raise UnknownOutputError(
-                f"model {spec.name!r} has no output {name!r} (it has {', '.join(t.name for t in spec.outputs)})",
-                model=spec.name,
-            )
-    return size
+def _job_size(
+    model: Model,
+    batch_size: int | None,
+    concurrency: int,
+    outputs: Sequence[str] | None,
+    output_format: str | None = None,
+    keep: Sequence[str] = (),
+) -> int:
+    """The rows per request; refuses a model or options a scoring job cannot use (see :func:`check_model`)."""
+    return check_model(model.spec, batch_size=batch_size, concurrency=concurrency, outputs=outputs,
+                       output_format=output_format, keep=keep)
 
 
 async def _score_chunks(
@@ -499,6 +484,7 @@ async def _score_chunks(
     timeout_s: float | UseClientDefault | None,
     patience_s: float,
     literal: bool = False,
+    allow_lossy: bool = False,
 ) -> AsyncIterator[ScoredBatch]:
     """The engine under score(), score_rows() and score_batches(): chunks in, scored batches out, in order."""
     spec = model.spec
@@ -512,7 +498,7 @@ async def _score_chunks(
     async def units() -> AsyncIterator[_Unit]:
         try:
             async for chunk in chunks:
-                yield _prepare(chunk, spec, literal)
+                yield _prepare(chunk, spec, literal, allow_lossy)
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
 
@@ -649,6 +635,9 @@ async def score(
     overwrite: bool = False,
     resume: bool = False,
     max_line_bytes: int = MAX_LINE_BYTES,
+    allow_lossy: bool = False,
+    keep: Sequence[str] = (),
+    keep_checkpoint: bool = True,
 ) -> ScoreSummary:
     """Score every row of ``source`` (a file or an iterable) into ``output``; resumable. Returns a summary.
 
@@ -667,23 +656,34 @@ async def score(
     checked for changes, so a job with one resumes from its checkpoint only when this is True (the iterable must
     yield the same rows in the same order), and is refused otherwise. ``max_line_bytes``: a longer line of a JSONL,
     CSV or text input is an error row, never read whole.
+
+    ``allow_lossy``: cast numbers whatever they lose (a float64 ``.npy`` into an FP32 input; without it every such
+    row is refused). ``keep``: input fields carried to the output beside the outputs (an ``id``; JSONL and Parquet
+    outputs; a CSV cell is kept as its text; a row without the field keeps null). ``keep_checkpoint``: False
+    removes ``<output>.checkpoint.json`` and an empty errors file once the job is complete (a re-run then finds
+    files no checkpoint vouches for, and needs ``overwrite``); the default keeps them, so that a re-run does nothing.
     """
     spec = model.spec
-    size = _job_size(model, batch_size, concurrency, outputs)  # before any file is opened
+    keep = tuple(keep)
+    # Before any file is opened: the model and options a job cannot use, a .npy output for several outputs.
+    size = _job_size(model, batch_size, concurrency, outputs, output_format_of(output, output_format), keep)
     in_memory = not isinstance(source, str | os.PathLike)
     plan = plan_job(
         None if in_memory else source,  # type: ignore[arg-type]
         output, model=spec.name, errors=errors, batch_size=batch_size, outputs=outputs,
         input_format_name=input_format, output_format_name=output_format, overwrite=overwrite, resume=resume,
+        keep=keep,
     )
     output, errors_path, writer = plan.output, plan.errors, plan.writer
     names = [t.name for t in spec.inputs]
     strings = [t.name for t in spec.inputs if t.dtype == "BYTES"]  # CSV cells of these stay text
     reader = None
     if plan.source is not None:
-        # Made before the writer opens anything: an input that cannot be read leaves no file behind.
+        # Made before the writer opens anything: an input that cannot be read leaves no file behind. Kept columns
+        # are read beside the inputs (and left behind by the check against the model).
         try:
-            reader = read_rows(plan.source, input_names=names, format=plan.input_format, string_inputs=strings,
+            reader = read_rows(plan.source, input_names=[*names, *(k for k in keep if k not in names)],
+                               format=plan.input_format, string_inputs=[*strings, *keep],
                                max_line_bytes=max_line_bytes)
         except JobPathError:
             raise
@@ -698,6 +698,7 @@ async def score(
             output=output, errors=errors_path, rows_ok=0, rows_failed=0, resumed_from=done,
             elapsed_s=time.monotonic() - started, complete=True, job_rows_ok=writer.rows_written,
             job_rows_failed=writer.errors_written,
+            errors_removed=not keep_checkpoint and _tidy(writer, errors_path),
         )
     chunks: AsyncIterator[_Chunk]
     total: int | None
@@ -713,30 +714,39 @@ async def score(
             total = None
     bar = Progress(total=total, done=done, enabled=progress)
     ok = failed = 0
+    # The counts come from the writer: a row the model answered but the output file refuses (another shape than
+    # the first row's in a .npy) is a failed row, in the summary as in the errors file and the exit code.
+    written_before, failed_before = writer.rows_written, writer.errors_written
     complete = False
+    kept: dict[int, Mapping[str, npt.NDArray[Any]]] = {}
+    if keep:
+        chunks = _keeping(chunks, keep, kept)
     scored = _score_chunks(
         model, chunks, concurrency=concurrency, outputs=outputs, shared_memory=shared_memory, timeout_s=timeout_s,
         patience_s=patience_s,
         # Numbers in a JSONL, CSV or Parquet file are the file's, not a caller's typed array: a double column
         # rounds into an FP32 input as a JSON number does. A .npy file is a typed array, and keeps numpy's rule.
         literal=reader is not None and reader.format != "npy",
+        allow_lossy=allow_lossy,
     )
     try:
         last_commit = time.monotonic()
         async for batch in scored:
+            carried = kept.pop(batch.start, None)
             # A chunk at a time: a run of good rows is one write (one .npy slice, one Arrow batch, one JSONL block).
-            if not batch.errors:
+            if not batch.errors and carried is None:
                 for index, outs in batch.runs:
                     writer.write_rows(index, outs)
             else:
                 for index, run, error, row in batch.events():
                     if run is not None:
+                        if carried is not None:
+                            run = _with_kept(run, carried, index - batch.start)
                         writer.write_rows(index, run)
                     else:
                         assert error is not None
                         writer.write_error(index, error, row)
-            ok += batch.rows_ok
-            failed += batch.rows_failed
+            ok, failed = writer.rows_written - written_before, writer.errors_written - failed_before
             bar.update(ok, failed)
             now = time.monotonic()
             if now - last_commit >= commit_every_s:
@@ -749,6 +759,10 @@ async def score(
         # Ctrl-C, a cancelled task, an aborted job: what was written is whole rows up to here, so keep it.
         try:
             writer.commit(done + ok + failed)
+        except Exception as err:
+            # A write that failed half-way (the output refused a run) leaves no commit that would be true: the
+            # re-run resumes at the last one. The job's own error is the one to raise, not this.
+            _log.warning("%s: not committed on the way out (%s); a re-run resumes at the last commit", output, err)
         finally:
             writer.abandon()
         raise
@@ -759,7 +773,62 @@ async def score(
         output=output, errors=errors_path, rows_ok=ok, rows_failed=failed, resumed_from=done,
         elapsed_s=time.monotonic() - started, complete=complete, job_rows_ok=writer.rows_written,
         job_rows_failed=writer.errors_written,
+        errors_removed=not keep_checkpoint and _tidy(writer, errors_path),
     )
+
+
+def _tidy(writer: ResultWriter, errors_path: Path) -> bool:
+    """Remove a complete job's empty errors file, then its checkpoint (in that order: a crash between the two
+    leaves a checkpoint that still agrees with its files). Returns whether the errors file is gone."""
+    removed = False
+    try:
+        if errors_path.stat().st_size == 0:
+            errors_path.unlink()
+            removed = True
+    except FileNotFoundError:
+        removed = True
+    writer.checkpoint_path.unlink(missing_ok=True)
+    return removed
+
+
+async def _keeping(
+    chunks: AsyncIterator[_Chunk], keep: Sequence[str], kept: dict[int, Mapping[str, npt.NDArray[Any]]]
+) -> AsyncIterator[_Chunk]:
+    """The chunks as they come, with each one's ``keep`` fields noted in ``kept`` under its first row (the scored
+    batch of a chunk starts there; the job pops it when it writes the batch, so ``kept`` holds the window only)."""
+    try:
+        async for chunk in chunks:
+            kept[chunk.start] = {name: _kept_column(chunk, name) for name in keep}
+            yield chunk
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+def _kept_column(chunk: _Chunk, name: str) -> npt.NDArray[Any]:
+    """A chunk's values of field ``name``, one per row (None where a row lacks it): numbers as a numeric array,
+    anything else as Python objects (written as the JSON or text they are)."""
+    if chunk.columns is not None and name in chunk.columns:
+        values = list(chunk.columns[name])
+    else:
+        values = []
+        for i in range(chunk.length):
+            row = chunk.row(i)
+            values.append(row.get(name) if isinstance(row, Mapping) else None)
+    if values and all(isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
+                      for v in values):
+        return np.asarray(values)
+    column = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        column[i] = value
+    return column
+
+
+def _with_kept(
+    run: Mapping[str, npt.NDArray[Any]], carried: Mapping[str, npt.NDArray[Any]], offset: int
+) -> dict[str, npt.NDArray[Any]]:
+    """A run's outputs with the kept fields of its rows first (``offset``: the run's first row in its chunk)."""
+    n = len(next(iter(run.values())))
+    return {**{name: column[offset : offset + n] for name, column in carried.items()}, **run}
 
 
 def score_sync(

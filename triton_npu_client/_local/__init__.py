@@ -13,7 +13,7 @@ from ._checkpoint import (
     read_chat_checkpoint,
     write_chat_model,
 )
-from ._server import LocalTriton, default_model_repository, find_tritonserver
+from ._server import LocalTriton, ModelLoad, default_model_repository, find_tritonserver
 
 __all__ = [
     "CHAT_CPU_THREADS_AUTO",
@@ -22,6 +22,7 @@ __all__ = [
     "CHAT_MODEL_TYPES",
     "ChatCheckpoint",
     "LocalTriton",
+    "ModelLoad",
     "chat_model_config",
     "chat_model_name",
     "chat_model_repository",

@@ -9,7 +9,7 @@ set; the model file is the packaged one. The checkpoint folder is only read, and
 so the CLI refuses a wrong folder in milliseconds, before any server starts.
 
 :func:`chat_model_repository` does the same in a temporary repository it removes at exit (what
-``triton-npu chat --checkpoint`` and ``triton-npu serve --chat`` serve).
+``triton-npu chat --checkpoint`` and ``triton-npu serve --checkpoint`` (or its old name, ``--chat``) serve).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .._errors import UsageError
-from ..server.chat._families import MODEL_TYPES
+from .._protocol import chat as proto
 from ._server import default_model_repository
 
 __all__ = [
@@ -43,9 +43,8 @@ __all__ = [
     "write_chat_model",
 ]
 
-# The decoder families the chat engine loads, by config.json's model_type.
-# The chat engine's one table of decoder families (a leaf module: it imports nothing of the server toolkit).
-CHAT_MODEL_TYPES: Final = MODEL_TYPES
+# The protocol's list of the checkpoint families the chat model serves, named here for the CLI.
+CHAT_MODEL_TYPES: Final = proto.MODEL_TYPES
 # "auto": float32 on a CPU instance, the checkpoint's torch_dtype on an accelerator (the engine decides).
 CHAT_DTYPES: Final = ("auto", "float32", "float16", "bfloat16")
 CHAT_DEVICES: Final = ("auto", "npu", "cuda", "cpu")

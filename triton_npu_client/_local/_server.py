@@ -40,10 +40,12 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+import attrs
 
 from .._errors import (
     LocalServerError,
@@ -54,7 +56,7 @@ from .._errors import (
     StubNotFound,
 )
 
-__all__ = ["LocalTriton", "default_model_repository", "find_tritonserver"]
+__all__ = ["LocalTriton", "ModelLoad", "default_model_repository", "find_tritonserver"]
 
 _log = logging.getLogger("triton_npu_client.local")
 
@@ -74,6 +76,67 @@ TEMP_PREFIX = "triton-npu-"
 _REAP_TIMEOUT_S = 10.0
 # How the Python backend names the shared-memory regions it shares with its stubs (/dev/shm/<prefix><uuid>).
 _BACKEND_REGION_PREFIX = "triton_python_backend_shm_region_"
+
+# The server's log lines that say a model's load was queued and that it is ready (Triton's INFO lines, on at every
+# --log-verbose): `I1202 03:28:03.098127 25997 model_lifecycle.cc:472] "loading: chat:1"` and
+# `... "successfully loaded 'chat'"`. Read only to report progress: readiness itself is asked of the server.
+_LOADING = re.compile(r'^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*"loading: (.+):(\d+)"$')
+_LOADED = re.compile(r"^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*\"successfully loaded '([^']+)'\"$")
+
+
+@attrs.frozen(kw_only=True)
+class ModelLoad:
+    """One model the starting server has loaded, as its log says.
+
+    ``seconds``: from the server queueing the model's load to the model being ready, by the server's own
+    timestamps. Triton loads a few models at a time (``--model-load-thread-count``, 4 by default), so a model
+    queued behind others counts their time too; ``elapsed_s``: since the server was started, as this process saw it.
+    """
+
+    name: str
+    version: str
+    seconds: float
+    elapsed_s: float
+
+
+class _LoadLog:
+    """Follows the log of a starting server: each call of :meth:`read` returns the models loaded since the last."""
+
+    def __init__(self, path: Path, started: float) -> None:
+        self._path = path
+        self._started = started
+        self._offset = 0
+        self._partial = b""
+        self._queued: dict[str, tuple[str, float]] = {}  # name -> (version, seconds of the day it was queued)
+
+    @staticmethod
+    def _seconds(h: str, m: str, s: str) -> float:
+        return int(h) * 3600 + int(m) * 60 + float(s)
+
+    def read(self) -> list[ModelLoad]:
+        try:
+            with self._path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return []
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        loads: list[ModelLoad] = []
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").rstrip("\r")
+            if (queued := _LOADING.match(line)) is not None:
+                self._queued[queued.group(4)] = (queued.group(5), self._seconds(*queued.group(1, 2, 3)))
+            elif (loaded := _LOADED.match(line)) is not None:
+                name = loaded.group(4)
+                version, at = self._queued.pop(name, ("", None))
+                done = self._seconds(*loaded.group(1, 2, 3))
+                # Modulo a day: a load that crosses midnight.
+                took = 0.0 if at is None else (done - at) % 86400.0
+                loads.append(ModelLoad(name=name, version=version, seconds=took,
+                                       elapsed_s=time.monotonic() - self._started))  # fmt: skip
+        return loads
+
 
 # Every server started by this process, so that interpreter exit never leaves one behind.
 _LIVE: weakref.WeakSet[LocalTriton] = weakref.WeakSet()
@@ -320,6 +383,10 @@ class LocalTriton:
         # The Python backend's shared-memory regions this server mapped (names under /dev/shm). A server that stops
         # cleanly unlinks them; one that is SIGKILLed cannot, so stopping removes whatever of them is left.
         self._regions: set[str] = set()
+        # Set by interrupt(): a start stops waiting and a stop stops its grace period. Cleared when a stop finishes.
+        self._interrupted = threading.Event()
+        # Whether what outlived a server found dead has been killed (once per server: see is_running).
+        self._orphans_killed = False
 
     def __repr__(self) -> str:
         state = f"pid={self.pid}" if self.is_running else "stopped"
@@ -363,7 +430,48 @@ class LocalTriton:
 
     @property
     def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        """Whether the server process is alive. Finding it dead (killed, crashed) kills what it left (see below)."""
+        if self._proc is None:
+            return False
+        if self._proc.poll() is None:
+            return True
+        self._kill_orphans()
+        return False
+
+    def _kill_orphans(self) -> None:
+        """SIGKILL every process still running from this server's folder once the server is found dead.
+
+        A Python-backend stub exits when it sees its parent gone, but it asks with kill(pid, 0), which a zombie
+        passes (a server killed and not yet reaped by us), and a stub whose model holds the GIL cannot exit at all;
+        such stubs ignore SIGTERM and hold their model's memory. Once per dead server: a scan of /proc. Never raises.
+        """
+        if self._orphans_killed or self._workdir is None:
+            return
+        self._orphans_killed = True
+        self._signal_group(signal.SIGKILL)
+        for pid in self.processes():  # a process that left the group runs from the folder all the same
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        _log.debug("killed what outlived tritonserver pid %s", self._proc.pid if self._proc else None)
+
+    def interrupt(self) -> None:
+        """Hurry whatever this server is doing, from any thread or a signal handler (it only sets a flag).
+
+        A start in progress stops waiting: it kills what it started (no grace) and raises :class:`LocalServerError`;
+        a stop in progress ends its grace period and kills at once. Holds until a stop has finished (a failed start
+        stops too), so an interrupt that comes just before :meth:`start` is not lost.
+        """
+        self._interrupted.set()
+
+    def check_ports(self) -> None:
+        """Raise :class:`PortInUseError` for a port given to the constructor that is taken now (None: taken freely).
+
+        :meth:`start` checks again; this lets a caller refuse a taken port before it prepares anything else.
+        """
+        for which, label in (("http", "HTTP"), ("grpc", "gRPC"), ("metrics", "metrics")):
+            port = self._ports[which]
+            if port is not None and not self._active:
+                _check_port_free(self.host, port, label)
 
     @property
     def log_path(self) -> Path | None:
@@ -493,6 +601,7 @@ class LocalTriton:
         assert self._log_file is not None
         command = [*_parent_death_prefix(), *args]
         _log.debug("starting %s", _loggable(command))
+        self._orphans_killed = False
         with self._log_file.open("wb") as log:
             self._proc = subprocess.Popen(
                 command,
@@ -537,6 +646,10 @@ class LocalTriton:
                 return False
         return True
 
+    def _check_interrupt(self) -> None:
+        if self._interrupted.is_set():
+            raise LocalServerError("the start of tritonserver was interrupted")
+
     def _error_lines(self) -> list[str]:
         return [line for line in self.log_tail(_TAIL_LINES) if line.startswith("E") or "error" in line.lower()]
 
@@ -566,19 +679,40 @@ class LocalTriton:
             log_lines=self._error_lines() or tail,
         )
 
-    def start(self) -> Self:
-        """Start the server and block until it and every model are ready."""
+    def start(self, *, on_load: Callable[[ModelLoad], None] | None = None) -> Self:
+        """Start the server and block until it and every model are ready.
+
+        ``on_load`` is called (in this thread) with each model the server reports loaded, as it does: read from
+        the server's log, since Triton opens its endpoints only after the models it starts with have loaded (no
+        index to poll before that). :meth:`interrupt` (e.g. from a signal handler) ends the start at once.
+        """
         if self.is_running:
             return self
         self._stop(keep_log_if_exited=True)  # what is left of an earlier run that died
         try:
-            self._spawn(*self._prepare())
-            deadline = time.monotonic() + self.startup_timeout_s
-            while not self._probe():
+            args, env = self._prepare()
+            self._check_interrupt()
+            started = time.monotonic()
+            self._spawn(args, env)
+            assert self._log_file is not None
+            log = _LoadLog(self._log_file, started) if on_load is not None else None
+            deadline = started + self.startup_timeout_s
+            while True:
+                self._check_interrupt()
+                ready = self._probe()
+                for load in log.read() if log is not None else ():
+                    assert on_load is not None
+                    on_load(load)
+                if ready:
+                    break
                 if time.monotonic() > deadline:
                     raise self._timeout_failure()
-                time.sleep(0.1)
-        except BaseException:
+                self._interrupted.wait(0.1)
+        except BaseException as err:
+            # Nothing was served yet, so nothing to drain: an interrupted start (Ctrl-C, or interrupt()) kills at
+            # once; a failed one gives the server its grace (it may be exiting on its own, its log complete).
+            if not isinstance(err, Exception) or self._interrupted.is_set():
+                self.kill()
             self._stop(keep_log_if_exited=False)
             raise
         self._note_regions()
@@ -605,10 +739,13 @@ class LocalTriton:
             self._spawn(args, env)
             deadline = time.monotonic() + self.startup_timeout_s
             while not await asyncio.to_thread(self._probe):
+                self._check_interrupt()
                 if time.monotonic() > deadline:
                     raise self._timeout_failure()
                 await asyncio.sleep(0.1)
         except BaseException:
+            if self._interrupted.is_set():
+                self._signal_group(signal.SIGKILL, scan=False)  # interrupted: nothing to drain, no grace
             try:
                 await asyncio.wait([prepared])
             finally:
@@ -680,6 +817,9 @@ class LocalTriton:
         """
         self._note_regions()  # models loaded since the start map regions of their own
         self._signal_group(signal.SIGKILL)
+        for pid in self.processes():  # one that left the group still runs from the folder
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + _REAP_TIMEOUT_S
         if self._proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -693,6 +833,7 @@ class LocalTriton:
             shutil.rmtree(self._workdir / "backends" if keep_log else self._workdir, ignore_errors=True)
         self._active = False
         self._ready = False
+        self._interrupted.clear()
         _LIVE.discard(self)
 
     def _should_keep_log(self, keep_log_if_exited: bool) -> bool:
@@ -704,11 +845,14 @@ class LocalTriton:
         keep_log = self._should_keep_log(keep_log_if_exited)
         try:
             self._note_regions()
-            stubs_at_term = self._ready and bool(self._stubs())
-            self._send_term()
-            deadline = self._grace_deadline()
-            while not self._stopped_noting(stubs_at_term) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            # A server that has exited has nobody left to drain its stubs: they get SIGKILL at once, no grace.
+            if self._proc is not None and self._proc.poll() is None:
+                stubs_at_term = self._ready and bool(self._stubs())
+                self._send_term()
+                deadline = self._grace_deadline()
+                while not self._stopped_noting(stubs_at_term) and time.monotonic() < deadline:
+                    if self._interrupted.wait(0.05):
+                        break
         finally:
             self._finish(keep_log=keep_log)
 
@@ -717,12 +861,16 @@ class LocalTriton:
             return
         keep_log = self._should_keep_log(keep_log_if_exited)
         try:
-            stubs_at_term = self._ready and bool(await asyncio.to_thread(self._stubs))
-            self._send_term()
-            await asyncio.to_thread(self._note_regions)  # while the group still lives to be read
-            deadline = self._grace_deadline()
-            while time.monotonic() < deadline and not await asyncio.to_thread(self._stopped_noting, stubs_at_term):
-                await asyncio.sleep(0.05)
+            # As in _stop: a server that has exited gets no grace.
+            if self._proc is not None and self._proc.poll() is None:
+                stubs_at_term = self._ready and bool(await asyncio.to_thread(self._stubs))
+                self._send_term()
+                await asyncio.to_thread(self._note_regions)  # while the group still lives to be read
+                deadline = self._grace_deadline()
+                while time.monotonic() < deadline and not self._interrupted.is_set():
+                    if await asyncio.to_thread(self._stopped_noting, stubs_at_term):
+                        break
+                    await asyncio.sleep(0.05)
         finally:
             # SIGKILL now, on the loop's thread: it never blocks (no /proc scan), and it happens even
             # if this task is cancelled again while the rest runs.

@@ -12,7 +12,7 @@ from .._wire import EncodedInput, InferRequest, numpy_dtype, to_wire
 from ._spec import ModelSpec
 from ._validate import add_batch_dim, shape_matches, validate_batch, validate_row
 
-__all__ = ["InputsArg", "Plans", "build_request"]
+__all__ = ["InputsArg", "Plans", "build_request", "checked_request"]
 
 # What callers may pass as inputs besides keywords: a mapping, or (name, value) pairs (which may repeat a
 # name by mistake: that is refused as a duplicate).
@@ -165,6 +165,35 @@ def build_request(
         made = _plan_for(request, simple, spec, batch)
         if made is not None:
             plans[key] = made
+    return request
+
+
+def checked_request(
+    spec: ModelSpec,
+    arrays: Mapping[str, np.ndarray[Any, Any]],
+    *,
+    outputs: tuple[str, ...] = (),
+    headers: dict[tuple[object, ...], bytes] | None = None,
+) -> InferRequest:
+    """A request in batch form from ``arrays`` that :func:`validate_batch` (or stacked :func:`validate_row`) already
+    checked against ``spec``, and ``outputs`` the caller checked: encoded, never checked again.
+
+    ``headers``: a cache of the request's constant part by (outputs, shapes), kept by a caller that sends many
+    requests of few shapes (a scoring job), so that each one costs its tensor bytes and nothing else.
+    """
+    encoded = []
+    for tensor in spec.inputs:  # in the model's order, as _build_full
+        arr = arrays.get(tensor.name)
+        if arr is not None:
+            encoded.append(EncodedInput(name=tensor.name, dtype=tensor.dtype, shape=arr.shape,
+                                        data=to_wire(arr, tensor.dtype), array=arr))  # fmt: skip
+    size = encoded[0].shape[0] if encoded else None
+    key = (outputs, *(enc.shape for enc in encoded))
+    header = headers.get(key) if headers is not None else None
+    request = InferRequest(model=spec.name, version=spec.version or "", inputs=tuple(encoded), outputs=outputs,
+                           batch_size=size, header=header)  # fmt: skip
+    if headers is not None and header is None and len(headers) < _MAX_PLANS:
+        headers[key] = request.grpc_header()
     return request
 
 

@@ -3,11 +3,23 @@
 Their errors (``ChatOptionError``, ``SequenceIdleWarning``, ...) live in the one tree, ``_errors``.
 """
 
-from ._chat import ChatMessage, ChatOptions, ChatReply, ChatSession, ChatState, defer_chat, open_chat
+from ._chat import (
+    ChatMessage,
+    ChatOpenArgs,
+    ChatOptionArgs,
+    ChatOptions,
+    ChatReply,
+    ChatSession,
+    ChatState,
+    defer_chat,
+    open_chat,
+)
 from ._sequence import SequenceSession, defer_sequence, new_sequence_id, open_sequence, validate_sequence_id
 
 __all__ = [
     "ChatMessage",
+    "ChatOpenArgs",
+    "ChatOptionArgs",
     "ChatOptions",
     "ChatReply",
     "ChatSession",

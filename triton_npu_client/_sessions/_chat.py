@@ -29,8 +29,8 @@
   the generator is collected, and until then a new turn is refused with :class:`ChatBusyError`.
 - **A turn that times out** (the chat's ``timeout_s``, or the turn's own) is rolled back the same way: it raises
   :class:`RequestTimeout` (a :class:`TimeoutError`), is not added to the messages, and the chat goes on.
-- **The history digest.** Both sides chain a digest over the committed turns (``server._digest``). Every turn
-  but a START sends the client's (when the model takes ``DIGEST``), so a turn the server finished but the
+- **The history digest.** Both sides chain a digest over the committed turns (``_protocol``'s). Every turn but
+  a START sends the client's (when the model takes ``DIGEST``), so a turn the server finished but the
   client never saw end (cancelled or timed out at its last response) is rolled back there too. A final
   response whose digest differs from the client's raises :class:`ChatHistoryMismatch` (never expected); that
   turn is not kept, and the next turn makes the server drop it as well.
@@ -64,7 +64,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Final, Self, cast
+from typing import Any, Final, Self, TypedDict, Unpack, cast
 
 import attrs
 import numpy as np
@@ -81,11 +81,12 @@ from .._errors import (
     SequenceUsageError,
 )
 from .._model import ModelSpec
+from .._protocol import EMPTY, history_digest
+from .._protocol import chat as proto
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
 from .._trace import start as start_span
 from .._wire import InferResult
-from ..server._digest import EMPTY, history_digest
 from ._sequence import (
     DEFAULT_END_TIMEOUT_S,
     MAX_INT_ID,
@@ -97,6 +98,8 @@ from ._sequence import (
 
 __all__ = [
     "ChatMessage",
+    "ChatOpenArgs",
+    "ChatOptionArgs",
     "ChatOptions",
     "ChatReply",
     "ChatSession",
@@ -107,12 +110,6 @@ __all__ = [
 ]
 
 ROLES: Final = ("system", "user", "assistant")
-_INPUTS: Final = ("ROLE", "TEXT")
-_OUTPUTS: Final = ("PIECE", "FINISH")
-_DIGEST: Final = "DIGEST"  # optional input and output: the history digest (server._digest)
-_STREAM_INTERVAL: Final = "STREAM_INTERVAL_MS"  # optional input: the turn's stream interval
-#: The longest stream interval the server takes (its STREAM_INTERVAL_MAX_MS).
-STREAM_INTERVAL_MAX_MS: Final = 60000
 _INT32_MAX: Final = 2**31 - 1
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
@@ -202,8 +199,9 @@ def _check_seed(_: object, __: object, value: Any) -> None:
 
 
 def _check_stream_interval(_: object, __: object, value: Any) -> None:
-    if value is not None and not (_is_int(value) and 0 <= int(value) <= STREAM_INTERVAL_MAX_MS):
-        raise ChatOptionError("stream_interval_ms", f"an int in 0..{STREAM_INTERVAL_MAX_MS} (0: every token)", value)
+    if value is not None and not (_is_int(value) and 0 <= int(value) <= proto.STREAM_INTERVAL_MAX_MS):
+        longest = proto.STREAM_INTERVAL_MAX_MS
+        raise ChatOptionError("stream_interval_ms", f"an int in 0..{longest} (0: every token)", value)
 
 
 def _to_stop(value: Iterable[str] | None) -> Any:
@@ -215,6 +213,31 @@ def _to_stop(value: Iterable[str] | None) -> Any:
     if stops is None or not all(isinstance(s, str) and s for s in stops):
         raise ChatOptionError("stop", "a list of non-empty strings", value)
     return stops
+
+
+class ChatOptionArgs(TypedDict, total=False):
+    """The generation options by keyword, each optional: what a chat takes as its defaults and a turn
+    (:meth:`ChatSession.send`, :meth:`~ChatSession.ask`) as its own. ``None`` leaves an option as it is (the chat's
+    default, else the server's). Checked as :class:`ChatOptions` (their value) checks them."""
+
+    max_tokens: int | None
+    min_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: Sequence[str] | None
+    stream_interval_ms: int | None
+
+
+_OPTION_NAMES: Final = ChatOptionArgs.__optional_keys__
+
+
+def _refuse_unknown(given: Mapping[str, object], names: frozenset[str]) -> None:
+    """A keyword not among ``names`` is a TypeError, as Python raises for a signature that spells its keywords."""
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r} for a chat (it takes: {', '.join(sorted(names))})")
 
 
 @attrs.frozen(kw_only=True)
@@ -242,30 +265,31 @@ class ChatOptions:
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ChatOptionError("min_tokens", f"an int in 0..max_tokens ({self.max_tokens})", self.min_tokens)
 
-    def override(self, **given: Any) -> ChatOptions:
+    def override(self, **given: Unpack[ChatOptionArgs]) -> ChatOptions:
         """These options with every one given (not ``None``) replaced; checked like the constructor."""
-        changes = {k: v for k, v in given.items() if v is not None}
+        _refuse_unknown(given, _OPTION_NAMES)
+        changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         return attrs.evolve(self, **changes) if changes else self
 
     def inputs(self) -> dict[str, np.ndarray[Any, Any]]:
         """The model inputs for the options that are set (dtypes as the chat model declares them)."""
         out: dict[str, np.ndarray[Any, Any]] = {}
         if self.max_tokens is not None:
-            out["MAX_TOKENS"] = np.array([self.max_tokens], np.int32)
+            out[proto.MAX_TOKENS] = np.array([self.max_tokens], np.int32)
         if self.min_tokens is not None:
-            out["MIN_TOKENS"] = np.array([self.min_tokens], np.int32)
+            out[proto.MIN_TOKENS] = np.array([self.min_tokens], np.int32)
         if self.temperature is not None:
-            out["TEMPERATURE"] = np.array([self.temperature], np.float32)
+            out[proto.TEMPERATURE] = np.array([self.temperature], np.float32)
         if self.top_p is not None:
-            out["TOP_P"] = np.array([self.top_p], np.float32)
+            out[proto.TOP_P] = np.array([self.top_p], np.float32)
         if self.top_k is not None:
-            out["TOP_K"] = np.array([self.top_k], np.int32)
+            out[proto.TOP_K] = np.array([self.top_k], np.int32)
         if self.seed is not None:
-            out["SEED"] = np.array([self.seed], np.int64)
+            out[proto.SEED] = np.array([self.seed], np.int64)
         if self.stop:
-            out["STOP"] = np.array([s.encode() for s in self.stop], dtype=object)
+            out[proto.STOP] = np.array([s.encode() for s in self.stop], dtype=object)
         if self.stream_interval_ms is not None:
-            out[_STREAM_INTERVAL] = np.array([self.stream_interval_ms], np.int32)
+            out[proto.STREAM_INTERVAL_MS] = np.array([self.stream_interval_ms], np.int32)
         return out
 
 
@@ -384,8 +408,8 @@ class ChatState:
     ``model``: the chat model's name; ``sequence_id``: the conversation's id on the server; ``messages``:
     :attr:`ChatSession.messages`, the committed conversation (what a replay sends when the server no longer holds
     it); ``pinned``: how many leading system messages the server never drops; ``digest``: the history digest of
-    the committed turns (``server._digest``; ``""``: nothing committed on that sequence yet, so a resumed chat
-    starts it afresh with ``messages``); ``turns`` and ``context_tokens`` as on the chat.
+    the committed turns (``_protocol``'s ``history_digest``; ``""``: nothing committed on that sequence yet, so a
+    resumed chat starts it afresh with ``messages``); ``turns`` and ``context_tokens`` as on the chat.
     Checked when made: a wrong value raises :class:`ChatMessageError` (``messages``) or
     :class:`SequenceUsageError` (the others), naming the field.
     """
@@ -457,6 +481,33 @@ class ChatState:
         )
 
 
+class ChatOpenArgs(ChatOptionArgs, total=False):
+    """What opening a chat takes by keyword, each optional (``model.chat``, ``client.chat``, :func:`open_chat`,
+    :func:`defer_chat`): the generation options of :class:`ChatOptionArgs` (the chat's defaults), and
+
+    ``system``: the system message, sent with the first turn, before ``history`` (messages to replay, as
+    :class:`ChatMessage` values or ``(role, text)`` pairs). ``sequence_id``: the conversation's id (default: a new
+    one). ``timeout_s`` bounds each turn (the client's default when not given; a turn may give its own);
+    ``end_timeout_s`` bounds the END sent at the close. ``replay_on_loss``: when the server has lost the
+    conversation, a turn replays :attr:`ChatSession.messages` into a fresh one instead of raising
+    :class:`SequenceLost`. ``resume``: a :class:`ChatState` (:attr:`ChatSession.state`, perhaps of another process)
+    whose conversation the server still holds: the chat goes on on its sequence id without START, its first turn
+    sends only the new user message (and the state's digest, which the server checks), and its messages and counts
+    start from the state; not with ``system``, ``history`` or ``sequence_id``. See the module docstring.
+    """
+
+    system: str | None
+    history: Iterable[ChatMessage | tuple[str, str]] | None
+    sequence_id: int | str | None
+    timeout_s: float | UseClientDefault | None
+    end_timeout_s: float
+    replay_on_loss: bool
+    resume: ChatState | None
+
+
+_OPEN_NAMES: Final = ChatOpenArgs.__optional_keys__
+
+
 # --- the session ---------------------------------------------------------------------------------
 
 
@@ -478,7 +529,9 @@ def _check_chat_model(model: SessionTarget) -> None:
             f"stream; this client speaks {model.caller.transport.protocol}: use a gRPC client (grpc://)",
             model=spec.name,
         )
-    missing = [n for n in _INPUTS if spec.input(n) is None] + [n for n in _OUTPUTS if spec.output(n) is None]
+    missing = [n for n in proto.REQUIRED_INPUTS if spec.input(n) is None] + [
+        n for n in proto.REQUIRED_OUTPUTS if spec.output(n) is None
+    ]
     if not spec.decoupled or spec.sequence is None or missing:
         lacks = (["decoupled"] if not spec.decoupled else []) + (["sequence batching"] if spec.sequence is None else [])
         raise SequenceUsageError(
@@ -488,10 +541,10 @@ def _check_chat_model(model: SessionTarget) -> None:
 
 def _check_options_fit(spec: ModelSpec, options: ChatOptions) -> None:
     """A set option needs its input on the model: a model from before STREAM_INTERVAL_MS would refuse the request."""
-    if options.stream_interval_ms is not None and spec.input(_STREAM_INTERVAL) is None:
+    if options.stream_interval_ms is not None and spec.input(proto.STREAM_INTERVAL_MS) is None:
         raise ChatOptionError(
             "stream_interval_ms",
-            f"none: model {spec.name!r} takes no {_STREAM_INTERVAL} input (its config streams as it is set)",
+            f"none: model {spec.name!r} takes no {proto.STREAM_INTERVAL_MS} input (its config streams as it is set)",
             options.stream_interval_ms,
             model=spec.name,
         )
@@ -501,9 +554,9 @@ def _check_resume_fits(spec: ModelSpec) -> None:
     """A chat resumes only where each turn's history digest is checked: without it a stale state's turn would be
     added to whatever history the server holds (a silent mix of two conversations). (The model's name was checked
     against the state's with the other settings.)"""
-    if spec.input(_DIGEST) is None:
+    if spec.input(proto.DIGEST) is None:
         raise SequenceUsageError(
-            f"resume: model {spec.name!r} takes no {_DIGEST} input, so it cannot check that it holds the state's "
+            f"resume: model {spec.name!r} takes no {proto.DIGEST} input, so it cannot check that it holds the state's "
             "history; replay it instead (history=state.messages)",
             model=spec.name,
         )
@@ -511,35 +564,36 @@ def _check_resume_fits(spec: ModelSpec) -> None:
 
 @attrs.frozen(kw_only=True)
 class _Settings:
-    """What a chat takes that is checked without its model: options, the messages to send first, replay."""
+    """What a chat takes that is checked without its model: options, the messages to send first, replay, and how
+    its sequence is opened (its id: the state's when resumed)."""
 
     options: ChatOptions
     prefix: tuple[ChatMessage, ...]
     replay_on_loss: bool
     resume: ChatState | None
+    sequence_id: int | str | None
+    timeout_s: float | UseClientDefault | None
+    end_timeout_s: float
+
+    def open(self, model: SessionTarget) -> SequenceSession:
+        return open_sequence(
+            model, sequence_id=self.sequence_id, timeout_s=self.timeout_s, end_timeout_s=self.end_timeout_s
+        )
+
+    def session(self, seq: SequenceSession) -> ChatSession:
+        return ChatSession(
+            _resumed_sequence(seq, self.resume), options=self.options, prefix=self.prefix,
+            replay_on_loss=self.replay_on_loss, resume=self.resume,
+        )
 
 
-def _settings(
-    name: str,
-    *,
-    system: str | None,
-    history: Iterable[ChatMessage | tuple[str, str]] | None,
-    sequence_id: int | str | None,
-    resume: ChatState | None,
-    max_tokens: int | None,
-    min_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: Sequence[str] | None,
-    stream_interval_ms: int | None,
-    replay_on_loss: bool,
-) -> _Settings:
-    options = ChatOptions(
-        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, stop=stop, stream_interval_ms=stream_interval_ms,
-    )
+def _settings(name: str, given: ChatOpenArgs) -> _Settings:
+    _refuse_unknown(given, _OPEN_NAMES)
+    chosen: dict[str, Any] = {k: v for k, v in given.items() if k in _OPTION_NAMES}
+    options = ChatOptions(**chosen)
+    system, history = given.get("system"), given.get("history")
+    sequence_id, resume = given.get("sequence_id"), given.get("resume")
+    replay_on_loss = given.get("replay_on_loss", False)
     if system is not None and not isinstance(system, str):
         raise ChatMessageError(f"system is a str; given {type(system).__name__}")
     prefix = ((ChatMessage("system", system),) if system is not None else ()) + as_messages(history)
@@ -550,18 +604,23 @@ def _settings(
             raise ChatOptionError("resume", "a ChatState (chat.state, ChatState.from_dict)", resume, model=name)
         # The state holds the conversation and its id: another system message, history or id would contradict it.
         named = (("system", system), ("history", history), ("sequence_id", sequence_id))
-        given = [k for k, v in named if v is not None]
-        if given:
+        clashing = [k for k, v in named if v is not None]
+        if clashing:
             raise SequenceUsageError(
                 f"chat on model {name!r}: resume= takes the conversation and its id from the state; "
-                f"{', '.join(f'{k}=' for k in given)} cannot be given with it",
+                f"{', '.join(f'{k}=' for k in clashing)} cannot be given with it",
                 model=name,
             )
         if resume.model != name:
             raise SequenceUsageError(
                 f"resume: the state is of a chat on model {resume.model!r}, not {name!r}", model=name
             )
-    return _Settings(options=options, prefix=prefix, replay_on_loss=replay_on_loss, resume=resume)
+        sequence_id = resume.sequence_id
+    return _Settings(
+        options=options, prefix=prefix, replay_on_loss=replay_on_loss, resume=resume, sequence_id=sequence_id,
+        timeout_s=given.get("timeout_s", USE_CLIENT_DEFAULT),
+        end_timeout_s=given.get("end_timeout_s", DEFAULT_END_TIMEOUT_S),
+    )
 
 
 def _resumed_sequence(seq: SequenceSession, resume: ChatState | None) -> SequenceSession:
@@ -572,102 +631,44 @@ def _resumed_sequence(seq: SequenceSession, resume: ChatState | None) -> Sequenc
     return seq
 
 
-def open_chat(
-    model: SessionTarget,
-    *,
-    system: str | None = None,
-    history: Iterable[ChatMessage | tuple[str, str]] | None = None,
-    max_tokens: int | None = None,
-    min_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] | None = None,
-    stream_interval_ms: int | None = None,
-    sequence_id: int | str | None = None,
-    timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
-    end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
-    replay_on_loss: bool = False,
-    resume: ChatState | None = None,
-) -> ChatSession:
+def _check_model_fits(model: SessionTarget, settings: _Settings) -> None:
+    """The checks of a chat model's config against the settings: it takes the options given (and resuming)."""
+    _check_options_fit(model.spec, settings.options)
+    if settings.resume is not None:
+        _check_resume_fits(model.spec)
+
+
+def open_chat(model: SessionTarget, **options: Unpack[ChatOpenArgs]) -> ChatSession:
     """A new chat on ``model`` (what ``model.chat(...)`` returns). Checks everything; no I/O until the first turn.
 
-    ``system``: the system message, sent with the first turn, before ``history`` (messages to replay, as
-    :class:`ChatMessage` values or ``(role, text)`` pairs). The generation options are the chat's defaults
-    (see :class:`ChatOptions`). ``timeout_s`` bounds each turn (the client's default when not given; a turn may
-    give its own). ``replay_on_loss``: when the server has lost the conversation, a turn replays
-    :attr:`ChatSession.messages` into a fresh one instead of raising :class:`SequenceLost` (see the module
-    docstring). ``resume``: a :class:`ChatState` (:attr:`ChatSession.state`, perhaps of another process) whose
-    conversation the server still holds: the chat goes on on its sequence id without START, its first turn sends
-    only the new user message (and the state's digest, which the server checks), and its messages and counts start
-    from the state; not with ``system``, ``history`` or ``sequence_id``. If the server no longer holds it, or holds
-    another history there, the turn raises :class:`SequenceLost` (with ``replay_on_loss``, it replays the state's
-    messages into a fresh sequence); see the module docstring.
+    The options are those of :class:`ChatOpenArgs`: the system message and history to send first, the generation
+    options (the chat's defaults), timeouts, ``replay_on_loss`` and ``resume``. If the server no longer holds a
+    resumed state's conversation, or holds another history there, the turn raises :class:`SequenceLost` (with
+    ``replay_on_loss``, it replays the state's messages into a fresh sequence); see the module docstring.
     Raises :class:`SequenceUsageError` for a model that is not a chat model or a client that cannot stream
     (HTTP: Triton serves decoupled models over the gRPC stream only).
     """
-    _check_chat_model(model)
-    settings = _settings(
-        model.spec.name, system=system, history=history, sequence_id=sequence_id, resume=resume,
-        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, stop=stop, stream_interval_ms=stream_interval_ms, replay_on_loss=replay_on_loss,
-    )
-    _check_options_fit(model.spec, settings.options)
-    if resume is not None:
-        _check_resume_fits(model.spec)
-        sequence_id = resume.sequence_id
-    seq = open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
-    return ChatSession(
-        _resumed_sequence(seq, resume), options=settings.options, prefix=settings.prefix,
-        replay_on_loss=settings.replay_on_loss, resume=resume,
-    )
+    _check_chat_model(model)  # before the options: a model that is no chat model is the first thing to say
+    settings = _settings(model.spec.name, options)
+    _check_model_fits(model, settings)
+    return settings.session(settings.open(model))
 
 
 def defer_chat(
-    name: str,
-    fetch: Callable[[], Awaitable[SessionTarget]],
-    *,
-    system: str | None = None,
-    history: Iterable[ChatMessage | tuple[str, str]] | None = None,
-    max_tokens: int | None = None,
-    min_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] | None = None,
-    stream_interval_ms: int | None = None,
-    sequence_id: int | str | None = None,
-    timeout_s: float | UseClientDefault | None = USE_CLIENT_DEFAULT,
-    end_timeout_s: float = DEFAULT_END_TIMEOUT_S,
-    replay_on_loss: bool = False,
-    resume: ChatState | None = None,
+    name: str, fetch: Callable[[], Awaitable[SessionTarget]], **options: Unpack[ChatOpenArgs]
 ) -> ChatSession:
     """What ``client.chat(name, ...)`` returns: the chat :func:`open_chat` makes on the model that ``fetch()``
     gives, made without I/O. The options and messages are checked here; ``fetch`` runs (once) when the chat is
     entered or sends its first turn, and the checks that need the model's config (a chat model?) run then."""
-    settings = _settings(
-        name, system=system, history=history, sequence_id=sequence_id, resume=resume,
-        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, stop=stop, stream_interval_ms=stream_interval_ms, replay_on_loss=replay_on_loss,
-    )
-    if resume is not None:
-        sequence_id = resume.sequence_id
+    settings = _settings(name, options)
 
     async def opened() -> SequenceSession:
         model = await fetch()
         _check_chat_model(model)
-        _check_options_fit(model.spec, settings.options)
-        if resume is not None:
-            _check_resume_fits(model.spec)
-        return open_sequence(model, sequence_id=sequence_id, timeout_s=timeout_s, end_timeout_s=end_timeout_s)
+        _check_model_fits(model, settings)
+        return settings.open(model)
 
-    seq = SequenceSession._deferred(name, opened)
-    return ChatSession(
-        _resumed_sequence(seq, resume), options=settings.options, prefix=settings.prefix,
-        replay_on_loss=settings.replay_on_loss, resume=resume,
-    )
+    return settings.session(SequenceSession._deferred(name, opened))
 
 
 class ChatSession:
@@ -697,7 +698,7 @@ class ChatSession:
         # Leading system messages: the server never drops them when the context overflows.
         self._pinned = next((i for i, m in enumerate(prefix) if m.role != "system"), len(prefix))
         self._replay_on_loss = replay_on_loss
-        # The history digest of the committed turns, as the server computes it (server._digest); sent with every
+        # The history digest of the committed turns, as the server computes it (the protocol's); sent with every
         # turn but a START, when the model takes it.
         self._digest = EMPTY
         self._streaming = False
@@ -810,55 +811,26 @@ class ChatSession:
     # -- turns ----------------------------------------------------------------------------------------
 
     def send(
-        self,
-        text: str,
-        *,
-        max_tokens: int | None = None,
-        min_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        stream_interval_ms: int | None = None,
-        timeout_s: float | None = None,
+        self, text: str, *, timeout_s: float | None = None, **options: Unpack[ChatOptionArgs]
     ) -> AsyncGenerator[str, None]:
         """Send the user message ``text`` and yield the reply as ``str`` pieces as they arrive.
 
-        Options given override the chat's defaults for this turn; ``timeout_s`` bounds this turn instead of the
+        Options given (:class:`ChatOptionArgs`) override the chat's defaults for this turn; ``timeout_s`` bounds this
+        turn instead of the
         chat's timeout. After the loop completes, :attr:`last_reply` holds the turn's :class:`ChatReply`.
         Checked at once, before anything is sent: the options (:class:`ChatOptionError`), the text, and that no
         other turn streams (:class:`ChatBusyError`).
         """
-        options = self._options.override(
-            max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop, stream_interval_ms=stream_interval_ms,
-        )
+        turn = self._options.override(**options)
         if timeout_s is not None and not (_is_number(timeout_s) and 0 < float(timeout_s) < math.inf):
             raise ChatOptionError("timeout_s", "a number of seconds > 0", timeout_s, model=self._seq.model)
         user = ChatMessage("user", text)
         self._refuse_busy()
-        return self._turn(user, options, None if timeout_s is None else float(timeout_s))
+        return self._turn(user, turn, None if timeout_s is None else float(timeout_s))
 
-    async def ask(
-        self,
-        text: str,
-        *,
-        max_tokens: int | None = None,
-        min_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | None = None,
-        stream_interval_ms: int | None = None,
-        timeout_s: float | None = None,
-    ) -> ChatReply:
+    async def ask(self, text: str, *, timeout_s: float | None = None, **options: Unpack[ChatOptionArgs]) -> ChatReply:
         """Send the user message ``text`` and return the whole reply (see :meth:`send`)."""
-        pieces = self.send(
-            text, max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop, stream_interval_ms=stream_interval_ms, timeout_s=timeout_s,
-        )
+        pieces = self.send(text, timeout_s=timeout_s, **options)
         async with contextlib.aclosing(pieces):
             async for _ in pieces:
                 pass
@@ -944,16 +916,16 @@ class ChatSession:
         _check_options_fit(seq.spec, options)  # a turn's own options, on the model the chat reached
         outgoing = (*self._pending, user)
         inputs: dict[str, object] = {
-            "ROLE": np.array([m.role for m in outgoing], dtype=object),
-            "TEXT": np.array([m.text.encode() for m in outgoing], dtype=object),
+            proto.ROLE: np.array([m.role for m in outgoing], dtype=object),
+            proto.TEXT: np.array([m.text.encode() for m in outgoing], dtype=object),
             **options.inputs(),
         }
-        if not seq._starts_next and seq.spec.input(_DIGEST) is not None:
+        if not seq._starts_next and seq.spec.input(proto.DIGEST) is not None:
             # Not with START (the server's conversation is new); a resumed chat's first turn carries the state's. It
             # tells the server what the client holds: a turn the server finished but the client never saw end
             # (cancelled or timed out at its last response) is rolled back there too, and a history other than the
             # client's is refused (SequenceLost), never continued.
-            inputs[_DIGEST] = np.array([self._digest.encode()], dtype=object)
+            inputs[proto.DIGEST] = np.array([self._digest.encode()], dtype=object)
         decoder = PieceDecoder()
         parts: list[str] = []
         first_at: float | None = None
@@ -963,9 +935,9 @@ class ChatSession:
         async with contextlib.aclosing(stream) as responses:
             async for result in responses:
                 # Mid-turn responses carry PIECE alone; the last one also FINISH, the counts and DIGEST.
-                finish = _scalar(result, "FINISH")
+                finish = _scalar(result, proto.FINISH)
                 finish_reason = finish.decode("utf-8", "replace") if isinstance(finish, bytes) else ""
-                piece = _scalar(result, "PIECE")
+                piece = _scalar(result, proto.PIECE)
                 text = decoder.feed(piece) if isinstance(piece, bytes) and piece else ""
                 if finish_reason:
                     text += decoder.flush()
@@ -976,7 +948,7 @@ class ChatSession:
                 if finish_reason:
                     reply_text = "".join(parts)
                     digest = history_digest(self._digest, [(m.role, m.text) for m in outgoing], reply_text)
-                    theirs = _scalar(result, _DIGEST)
+                    theirs = _scalar(result, proto.DIGEST)
                     if isinstance(theirs, bytes) and theirs.decode("utf-8", "replace") != digest:
                         raise ChatHistoryMismatch(
                             f"chat {seq.sequence_id!r} on model {seq.model!r}: the server's history digest after "
@@ -998,11 +970,11 @@ class ChatSession:
                         ChatReply(
                             text=reply_text,
                             finish_reason=finish_reason,
-                            tokens=_count(result, "TOKENS"),
-                            prompt_tokens=_count(result, "PROMPT_TOKENS"),
-                            context_tokens=_count(result, "CONTEXT_TOKENS"),
-                            dropped=_count(result, "DROPPED"),
-                            input_tokens=_count(result, "INPUT_TOKENS"),
+                            tokens=_count(result, proto.TOKENS),
+                            prompt_tokens=_count(result, proto.PROMPT_TOKENS),
+                            context_tokens=_count(result, proto.CONTEXT_TOKENS),
+                            dropped=_count(result, proto.DROPPED),
+                            input_tokens=_count(result, proto.INPUT_TOKENS),
                             time_to_first_token_s=None if first_at is None else first_at - started,
                             elapsed_s=now - started,
                             replayed=replayed,

@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from types import TracebackType
 from typing import Final, Protocol, Self
 
-from .._call import USE_CLIENT_DEFAULT, Caller, OnSend, Responses, Route, UseClientDefault
+from .._call import USE_CLIENT_DEFAULT, Call, Caller, OnSend, Responses, Route, UseClientDefault
 from .._errors import (
     RequestTimeout,
     SequenceClosedError,
@@ -556,14 +556,16 @@ class SequenceSession:
         self._last_request = request
         self._needs_end = True
         return self._caller.call(
-            request,
-            timeout_s=timeout_s,
-            route=route,
-            many=many,
-            sequence_id=self._id,
-            sequence_start=start,
-            sequence_end=end,
-            on_send=None if start else self._idle_check(),
+            Call(
+                request=request,
+                timeout_s=timeout_s,
+                route=route,
+                many=many,
+                sequence_id=self._id,
+                sequence_start=start,
+                sequence_end=end,
+                on_send=None if start else self._idle_check(),
+            )
         )
 
     def _span(self, end: bool) -> Span | None:
@@ -718,13 +720,15 @@ class SequenceSession:
                 # Nothing acknowledged yet: START+END resets and frees whatever reached the server.
                 route: Route = self._route
                 responses = self._caller.call(
-                    request,
-                    timeout_s=self._end_timeout_s,
-                    route=route,
-                    many=self._spec.decoupled,
-                    sequence_id=self._id,
-                    sequence_start=self._starts_next,
-                    sequence_end=True,
+                    Call(
+                        request=request,
+                        timeout_s=self._end_timeout_s,
+                        route=route,
+                        many=self._spec.decoupled,
+                        sequence_id=self._id,
+                        sequence_start=self._starts_next,
+                        sequence_end=True,
+                    )
                 )
                 async for _ in responses:
                     pass

@@ -1,33 +1,23 @@
 """The transport seam: one call primitive for inference, plus admin calls answered as plain JSON-like dicts.
 
-Every inference request (stateless, a sequence step, a decoupled request) goes through :meth:`Transport.call`,
-which returns :class:`Responses`: an async iterator of results that a unary call ends after one, and a
-decoupled request after the response carrying Triton's final flag. What lies above (plain ``infer``, sessions,
-coalescing) only sees this protocol, so a transport given through ``Client(transport=...)`` can stream too.
+Every inference request (stateless, a sequence step, a decoupled request) is one :class:`Call` value given to
+:meth:`Transport.call`, which returns :class:`Responses`: an async iterator of results that a unary call ends
+after one, and a decoupled request after the response carrying Triton's final flag. What lies above (plain
+``infer``, sessions, coalescing) only sees this protocol, so a transport given through ``Client(transport=...)``
+can stream too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal, Protocol, Self
+from typing import Any, Protocol, Self
 
 from .._errors import UsageError
-from .._wire import InferRequest, InferResult
+from .._wire import InferResult
+from ._call import Call
 
-__all__ = ["Json", "OnSend", "OneResponse", "Responses", "Route", "Transport", "server_timeout_us"]
+__all__ = ["Json", "OneResponse", "Responses", "Transport", "server_timeout_us"]
 
 Json = dict[str, Any]
-
-# How one request travels:
-#   "unary"   one RPC / HTTP request, one response;
-#   "shared"  one message on the client's long-lived multiplexed gRPC stream (many requests share it, so a
-#             request cannot be cancelled on the server alone);
-#   "own"     its own gRPC ModelStreamInfer call: cancelling it cancels that request on the server.
-Route = Literal["unary", "shared", "own"]
-
-# Called once, right before the request leaves this process (after any wait for a connection or a stream slot):
-# the session layer checks idleness there, not when the caller asked.
-OnSend = Callable[[], None]
 
 
 class Responses(Protocol):
@@ -90,24 +80,13 @@ class Transport(Protocol):
         """Whether the ``"shared"`` and ``"own"`` routes exist (gRPC: yes; HTTP: no)."""
         ...
 
-    def call(
-        self,
-        request: InferRequest,
-        *,
-        timeout_s: float | None,
-        route: Route = "unary",
-        many: bool = False,
-        request_id: str = "",
-        sequence_id: int | str | None = None,
-        sequence_start: bool = False,
-        sequence_end: bool = False,
-        on_send: OnSend | None = None,
-    ) -> Responses:
-        """Send ``request``; nothing is awaited until the responses are read.
+    def call(self, call: Call, /) -> Responses:
+        """Send ``call`` (see :class:`Call` for its fields); nothing is awaited until the responses are read.
 
-        ``timeout_s`` bounds the whole exchange on the client and, for stateless requests, is Triton's
-        server-side timeout too. ``many``: a decoupled model may answer several times and ends with the final
-        flag (streamed routes only). ``route`` is checked against :attr:`can_stream`.
+        Sent once: a transport never retries on its own (the caller's :class:`RetryPolicy` decides, and sends the
+        same ``call`` again). ``call.route`` is checked against :attr:`can_stream`. A transport over several
+        replicas may also have ``elsewhere(call) -> bool`` (another replica could take it now; see the fleet):
+        the retry loop then moves a request whose replica failed at once instead of backing off.
         """
         ...
 

@@ -20,8 +20,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from .._errors import ClientClosedError, ConnectError, ServerUnavailable, TritonError, UsageError, map_error
 from .._trace import AVAILABLE as TRACING
 from .._trace import grpc_metadata
-from .._wire import InferRequest, InferResult
-from ._base import Json, OneResponse, OnSend, Responses, Route, server_timeout_us
+from .._wire import InferResult
+from ._base import Json, OneResponse, Responses, server_timeout_us
+from ._call import Call, with_trace
 from ._options import TLSConfig
 from ._stream import METHOD, Outgoing, OwnStreamCall, StreamMultiplexer
 
@@ -56,45 +57,33 @@ def _to_dict(message: Any) -> Json:
 class _UnaryCall(OneResponse):
     """One ``ModelInfer`` RPC: the one response, sent when first awaited."""
 
-    __slots__ = ("_metadata", "_on_send", "_payload", "_request", "_request_id", "_sequence_id", "_timeout_s",
-                 "_transport")
+    __slots__ = ("_call", "_metadata", "_payload", "_transport")
 
     def __init__(
-        self,
-        transport: GrpcTransport,
-        request: InferRequest,
-        payload: bytes,
-        request_id: str,
-        sequence_id: int | str | None,
-        timeout_s: float | None,
-        on_send: OnSend | None,
-        metadata: tuple[tuple[str, str], ...],
+        self, transport: GrpcTransport, call: Call, payload: bytes, metadata: tuple[tuple[str, str], ...]
     ) -> None:
         super().__init__()
         self._transport = transport
-        self._request = request
+        self._call = call
         self._payload = payload
         self._metadata = metadata
-        self._request_id = request_id
-        self._sequence_id = sequence_id
-        self._timeout_s = timeout_s
-        self._on_send = on_send
 
     async def _send(self) -> InferResult:
-        if self._on_send is not None:
-            self._on_send()
+        call = self._call
+        if call.on_send is not None:
+            call.on_send()
         transport = self._transport
         try:
             # Cancelling the awaiting task cancels this call: grpc.aio turns CancelledError into an RPC cancel.
-            response = await transport._infer(self._payload, metadata=self._metadata, timeout=self._timeout_s)
+            response = await transport._infer(self._payload, metadata=self._metadata, timeout=call.timeout_s)
         except grpc.RpcError as err:
-            request = self._request
+            request = call.request
             raise transport._map(
                 err,
                 model=request.model,
                 version=request.version or None,
-                request_id=self._request_id,
-                sequence_id=self._sequence_id,
+                request_id=call.request_id,
+                sequence_id=call.sequence_id,
             ) from err
         return InferResult.from_grpc(response)
 
@@ -191,59 +180,55 @@ class GrpcTransport:
             self._mux = StreamMultiplexer(self._channel, streams=self._streams, metadata=self._metadata)
         return self._mux
 
-    def call(
-        self,
-        request: InferRequest,
-        *,
-        timeout_s: float | None,
-        route: Route = "unary",
-        many: bool = False,
-        request_id: str = "",
-        sequence_id: int | str | None = None,
-        sequence_start: bool = False,
-        sequence_end: bool = False,
-        on_send: OnSend | None = None,
-    ) -> Responses:
+    def call(self, call: Call, /) -> Responses:
         if self._closed:
             raise ClientClosedError(f"the gRPC connection to {self.target} is closed")
+        request = call.request
+        route = call.route
+        sequence_id = call.sequence_id
         metadata = self._metadata
-        if TRACING and route != "shared":
+        if call.trace is not None:
+            metadata = with_trace(metadata, call.trace)
+        elif TRACING and route != "shared":
             # The current span's context for Triton's own trace. Not on the shared stream: Triton reads a stream's
             # trace context once, from the metadata that opened it, for every request the stream carries.
             metadata = grpc_metadata(metadata)
+        timeout_us = server_timeout_us(call.timeout_s, sequence_id)
         if route == "unary":
-            if many:
+            if call.many:
                 raise UsageError(
                     f"model {request.model!r}: a request answered by several responses needs a streamed route",
                     model=request.model,
                 )
             payload = request.grpc_bytes(
-                request_id=request_id,
+                request_id=call.request_id,
                 sequence_id=sequence_id,
-                sequence_start=sequence_start,
-                sequence_end=sequence_end,
-                timeout_us=server_timeout_us(timeout_s, sequence_id),
+                sequence_start=call.sequence_start,
+                sequence_end=call.sequence_end,
+                timeout_us=timeout_us,
             )
-            return _UnaryCall(self, request, payload, request_id, sequence_id, timeout_s, on_send, metadata)
-        timeout_us = server_timeout_us(timeout_s, sequence_id)
+            return _UnaryCall(self, call, payload, metadata)
 
         def encode(stream_request_id: str, empty_final: bool) -> bytes:
             # The stream gives each request its id (and, for many responses, asks for the empty final one).
             return request.grpc_bytes(
                 request_id=stream_request_id,
                 sequence_id=sequence_id,
-                sequence_start=sequence_start,
-                sequence_end=sequence_end,
+                sequence_start=call.sequence_start,
+                sequence_end=call.sequence_end,
                 timeout_us=timeout_us,
                 empty_final=empty_final,
             )
 
         outgoing = Outgoing(request.model, sequence_id, encode)
         if route == "shared":
-            return self.multiplexer().call(outgoing, key=sequence_id, many=many, timeout_s=timeout_s, on_send=on_send)
+            return self.multiplexer().call(
+                outgoing, key=sequence_id, many=call.many, timeout_s=call.timeout_s, on_send=call.on_send
+            )
         if route == "own":
             return OwnStreamCall(
-                self._own_stream, outgoing, metadata=metadata, many=many, timeout_s=timeout_s, on_send=on_send
+                self._own_stream, outgoing, metadata=metadata, many=call.many, timeout_s=call.timeout_s,
+                on_send=call.on_send,
             )
         raise UsageError(f"unknown route {route!r}")
 

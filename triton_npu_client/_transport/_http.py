@@ -23,8 +23,9 @@ import tritonclient.http.aio as httpclient
 from .._errors import ClientClosedError, UsageError, map_error
 from .._trace import AVAILABLE as TRACING
 from .._trace import http_headers
-from .._wire import InferRequest, InferResult
-from ._base import Json, OneResponse, OnSend, Responses, Route, server_timeout_us
+from .._wire import InferResult
+from ._base import Json, OneResponse, Responses, server_timeout_us
+from ._call import Call
 from ._options import TLSConfig
 
 __all__ = ["DEFAULT_HTTP_CONNECTIONS", "HttpTransport"]
@@ -36,50 +37,44 @@ DEFAULT_HTTP_CONNECTIONS: Final = 1024
 class _HttpCall(OneResponse):
     """One HTTP inference request: the one response, sent when first awaited."""
 
-    __slots__ = ("_headers", "_kwargs", "_on_send", "_request", "_timeout_s", "_transport")
+    __slots__ = ("_call", "_headers", "_transport")
 
-    def __init__(
-        self,
-        transport: HttpTransport,
-        request: InferRequest,
-        timeout_s: float | None,
-        on_send: OnSend | None,
-        kwargs: dict[str, Any],
-        headers: dict[str, str] | None,
-    ) -> None:
+    def __init__(self, transport: HttpTransport, call: Call, headers: dict[str, str] | None) -> None:
         super().__init__()
         self._transport = transport
+        self._call = call
         self._headers = headers
-        self._request = request
-        self._timeout_s = timeout_s
-        self._on_send = on_send
-        self._kwargs = kwargs
 
     async def _send(self) -> InferResult:
         transport = self._transport
-        request = self._request
-        kwargs = self._kwargs
+        call = self._call
+        request = call.request
+        sequence_id = call.sequence_id
         ctx = {
             "model": request.model,
             "version": request.version or None,
-            "request_id": kwargs["request_id"],
-            "sequence_id": kwargs["sequence_id"] or None,
+            "request_id": call.request_id,
+            "sequence_id": sequence_id or None,
         }
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(call.timeout_s):
                 async with transport._connections:
-                    if self._on_send is not None:
-                        self._on_send()
+                    if call.on_send is not None:
+                        call.on_send()
                     result = await transport._client.infer(
                         request.model,
                         request.http_inputs(),
                         model_version=request.version,
                         outputs=request.http_outputs(),
+                        request_id=call.request_id,
+                        sequence_id=sequence_id if sequence_id is not None else 0,
+                        sequence_start=call.sequence_start,
+                        sequence_end=call.sequence_end,
+                        timeout=server_timeout_us(call.timeout_s, sequence_id),
                         # A copy per call (made in call()): tritonclient writes Inference-Header-Content-Length into
                         # the dict it is given, and a stale value breaks the next request that has no binary data
                         # (an END-only step).
                         headers=self._headers,
-                        **kwargs,
                     )
         except Exception as err:
             raise transport._mapped(err, ctx) from err
@@ -141,37 +136,25 @@ class HttpTransport:
                 raise
             raise mapped from err
 
-    def call(
-        self,
-        request: InferRequest,
-        *,
-        timeout_s: float | None,
-        route: Route = "unary",
-        many: bool = False,
-        request_id: str = "",
-        sequence_id: int | str | None = None,
-        sequence_start: bool = False,
-        sequence_end: bool = False,
-        on_send: OnSend | None = None,
-    ) -> Responses:
+    def call(self, call: Call, /) -> Responses:
         if self._closed:
             raise ClientClosedError(f"the HTTP connection to {self.target} is closed")
-        if route != "unary" or many:
+        if call.route != "unary" or call.many:
             raise UsageError(
-                f"model {request.model!r}: HTTP has no streamed route (Triton serves decoupled models only over the "
-                "gRPC stream); use a grpc:// client",
-                model=request.model,
+                f"model {call.request.model!r}: HTTP has no streamed route (Triton serves decoupled models only over "
+                "the gRPC stream); use a grpc:// client",
+                model=call.request.model,
             )
-        kwargs = {
-            "request_id": request_id,
-            "sequence_id": sequence_id if sequence_id is not None else 0,
-            "sequence_start": sequence_start,
-            "sequence_end": sequence_end,
-            "timeout": server_timeout_us(timeout_s, sequence_id),
-        }
-        # With the current span's trace context when tracing, for Triton's own trace.
-        headers = http_headers(self._headers) if TRACING else dict(self._headers) if self._headers else None
-        return _HttpCall(self, request, timeout_s, on_send, kwargs, headers)
+        headers: dict[str, str] | None
+        if call.trace is not None:
+            headers = dict(self._headers)
+            headers.update(call.trace)
+        elif TRACING:
+            # With the current span's trace context, for Triton's own trace.
+            headers = http_headers(self._headers)
+        else:
+            headers = dict(self._headers) if self._headers else None
+        return _HttpCall(self, call, headers)
 
     async def is_server_live(self, *, timeout_s: float | None) -> bool:
         return bool(await self._call(self._client.is_server_live(headers=self._headers), timeout_s))

@@ -42,7 +42,7 @@ from .._errors import (
     map_stream_error,
 )
 from .._wire import InferResult
-from ._base import OnSend
+from ._call import OnSend
 
 __all__ = ["Outgoing", "OwnStreamCall", "SharedStreamCall", "StreamMultiplexer", "is_final", "request_payload"]
 

@@ -4,7 +4,11 @@ One line of input is one user message. The reply goes to stdout piece by piece; 
 line after each reply (tokens, tokens/s, time to the first token) and notices go to stderr, so stdout holds
 only the replies. Without ``--url`` an embedded ``tritonserver`` serving the packaged model is started for the
 session and stopped at the end; with ``--checkpoint DIR`` it serves a chat model generated from that Hugging Face
-checkpoint folder instead (see :func:`add_checkpoint_arguments`, shared with ``triton-npu serve --chat``).
+checkpoint folder instead (see :func:`add_checkpoint_arguments`, shared with ``triton-npu serve --checkpoint``).
+A banner on stderr says which model the chat reached; a model the server lacks is answered with the chat models it
+has. A line that starts with ``/`` is a command, never sent (``//text`` sends ``/text``): ``/help``, ``/reset`` (a
+new conversation; the old one is ended on the server), ``/system TEXT`` (a new one with that system message),
+``/stats`` (the last reply's figures and the conversation's) and ``/quit``.
 
 Keys and exit status:
 
@@ -32,10 +36,11 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, TextIO
 
-from .._errors import TritonError, UsageError
+from .._errors import ModelNotFoundError, TritonError, UsageError
 from .._local import (
     CHAT_CPU_THREADS_AUTO,
     CHAT_DEVICES,
@@ -48,9 +53,10 @@ from .._local import (
 from ._urls import URL_HELP, add_url_argument, checked_urls
 
 if TYPE_CHECKING:
+    from .._client import Client
     from .._sessions import ChatReply, ChatSession
 
-__all__ = ["add_arguments", "add_checkpoint_arguments", "checkpoint_repository", "run"]
+__all__ = ["CHECKPOINT_FLAG", "add_arguments", "add_checkpoint_arguments", "checkpoint_repository", "run"]
 
 EXIT_INTERRUPTED: Final = 130
 
@@ -68,8 +74,15 @@ _CHECKPOINT_OPTIONS: Final = {
 }
 
 
-def add_checkpoint_arguments(p: argparse.ArgumentParser, flag: str) -> None:
-    """``flag DIR`` (a Hugging Face checkpoint folder to serve as a chat model) and the options of that model.
+#: The flag naming a checkpoint folder, the same in every verb (``serve`` also takes its old name, ``--chat``).
+CHECKPOINT_FLAG: Final = "--checkpoint"
+
+
+def add_checkpoint_arguments(
+    p: argparse.ArgumentParser, flag: str = CHECKPOINT_FLAG, *, aliases: tuple[str, ...] = ()
+) -> None:
+    """``--checkpoint DIR`` (a Hugging Face checkpoint folder to serve as a chat model; ``aliases``: other names of
+    the flag, kept for scripts that use them) and the options of that model.
 
     The values land in ``ns.checkpoint``, ``ns.chat_name``, ``ns.max_ctx``, ``ns.dtype``, ``ns.device``,
     ``ns.max_cache_mb`` and ``ns.cpu_threads`` (text, checked by :func:`checkpoint_repository`); all None when not
@@ -77,13 +90,14 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser, flag: str) -> None:
     """
     p.add_argument(
         flag,
+        *aliases,
         dest="checkpoint",
         metavar="DIR",
         default=None,
         help=(
             "serve the chat model of this Hugging Face checkpoint folder (config.json with model_type "
             f"{', '.join(CHAT_MODEL_TYPES)}; tokenizer.json; tokenizer_config.json with a chat_template; "
-            "model.safetensors or a sharded index)"
+            "model.safetensors or a sharded index)" + (f"; also {', '.join(aliases)}" if aliases else "")
         ),
     )
     p.add_argument(
@@ -171,9 +185,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--min-tokens", type=int, default=None, help="the reply may not end before this many tokens (default 0)"
     )
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0: greedy)")
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens this likely, in (0, 1]"
+    )
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default 0: off)")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="a string the reply ends before (repeatable: each one ends it)",
+    )
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same reply)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the embedded server")
-    add_checkpoint_arguments(p, "--checkpoint")
+    add_checkpoint_arguments(p)
 
 
 class _Interrupt:
@@ -266,7 +291,102 @@ async def _turn(chat: ChatSession, text: str, out: TextIO) -> ChatReply:
     return reply
 
 
-async def _repl(chat: ChatSession, keys: _Keys, out: TextIO, err: TextIO, *, prompt: bool) -> int:
+_HELP: Final = """commands (a line that starts with / is a command; start it with // to send it as a message):
+  /help          this list
+  /reset         a new conversation (the system message stays)
+  /system TEXT   a new conversation with TEXT as its system message (/system alone shows the one now)
+  /stats         the last reply's figures (tokens, tokens/s, first token, ...) and the conversation's
+  /quit          leave (so do Ctrl-D and the end of piped input)
+Ctrl-C during a reply cancels it (dropped from the history); at the prompt it leaves with status 130."""
+
+
+class _Conversation:
+    """The conversation going on, and how to begin a new one (``/reset``, ``/system``): a new chat on the model,
+    the old one ended on the server."""
+
+    def __init__(self, open_chat: Callable[[str | None], ChatSession], system: str | None) -> None:
+        self._open = open_chat
+        self.system = system
+        self._chat: ChatSession | None = None
+        self.last_reply: ChatReply | None = None
+        self.replies = 0
+        self.tokens = 0
+
+    @property
+    def chat(self) -> ChatSession:
+        assert self._chat is not None, "the conversation is not open"
+        return self._chat
+
+    async def begin(self) -> None:
+        """Open a chat (entering it reaches the model: a wrong name or URL raises here)."""
+        chat = self._open(self.system)
+        self._chat = await chat.__aenter__()
+
+    async def restart(self, system: str | None) -> None:
+        await self.aclose()
+        self.system = system
+        await self.begin()
+
+    async def aclose(self) -> None:
+        chat, self._chat = self._chat, None
+        if chat is not None:
+            await chat.aclose()
+
+    def record(self, reply: ChatReply) -> None:
+        self.last_reply = reply
+        self.replies += 1
+        self.tokens += reply.tokens
+
+    def stats(self) -> str:
+        chat = self.chat
+        lines = []
+        reply = self.last_reply
+        if reply is None:
+            lines.append("last reply: none yet")
+        else:
+            ttft = "-" if reply.time_to_first_token_s is None else f"{reply.time_to_first_token_s * 1000:.0f} ms"
+            lines.append(
+                f"last reply: {reply.tokens} tokens in {reply.elapsed_s:.2f} s ({reply.tokens_per_s:.1f} tokens/s), "
+                f"first token {ttft}, finished: {reply.finish_reason}; input {reply.input_tokens} tokens "
+                f"({reply.prompt_tokens} prefilled)"
+            )
+        lines.append(f"conversation: {chat.turns} turns, {chat.context_tokens} tokens held by the server")
+        lines.append(f"session: {self.replies} replies, {self.tokens} tokens")
+        return "\n".join(lines)
+
+
+def _note(err: TextIO, text: str) -> None:
+    err.write(_dim(text, err) + "\n")
+    err.flush()
+
+
+async def _command(line: str, talk: _Conversation, err: TextIO) -> bool:
+    """Run the command ``line`` (it starts with /); False for /quit."""
+    name, _, rest = line.strip().partition(" ")
+    rest = rest.strip()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/help":
+        _note(err, _HELP)
+    elif name == "/reset":
+        await talk.restart(talk.system)
+        _note(err, "[new conversation]")
+    elif name == "/system":
+        if not rest:
+            _note(err, f"[system message: {talk.system!r}]" if talk.system is not None else "[no system message]")
+        else:
+            await talk.restart(rest)
+            _note(err, "[new conversation with this system message]")
+    elif name == "/stats":
+        _note(err, talk.stats())
+    else:
+        err.write(f"triton-npu chat: unknown command {name!r}: /help lists the commands (// sends a line "
+                  "beginning with /)\n")  # fmt: skip
+        err.flush()
+    return True
+
+
+async def _repl(talk: _Conversation, keys: _Keys, out: TextIO, err: TextIO, *, prompt: bool) -> int:
     while True:
         if prompt:
             err.write(_PROMPT)
@@ -286,6 +406,13 @@ async def _repl(chat: ChatSession, keys: _Keys, out: TextIO, err: TextIO, *, pro
         assert isinstance(line, str)
         if not line.strip():
             continue
+        if line.startswith("//"):
+            line = line[1:]
+        elif line.startswith("/"):
+            if not await _command(line, talk, err):
+                return 0
+            continue
+        chat = talk.chat
         keys.turn = asyncio.get_running_loop().create_task(_turn(chat, line, out))
         try:
             await asyncio.wait([keys.turn])
@@ -294,15 +421,14 @@ async def _repl(chat: ChatSession, keys: _Keys, out: TextIO, err: TextIO, *, pro
         if turn.cancelled():
             out.write("\n")
             out.flush()
-            err.write(_dim("[turn cancelled: dropped from the history]", err) + "\n")
-            err.flush()
+            _note(err, "[turn cancelled: dropped from the history]")
             continue
         error = turn.exception()
         if error is None:
             out.write("\n")
             out.flush()
-            err.write(_dim(_stats(turn.result()), err) + "\n")
-            err.flush()
+            talk.record(turn.result())
+            _note(err, _stats(turn.result()))
             continue
         out.write("\n")
         out.flush()
@@ -313,14 +439,41 @@ async def _repl(chat: ChatSession, keys: _Keys, out: TextIO, err: TextIO, *, pro
         raise error
 
 
+def _shown(url: str | tuple[str, ...]) -> str:
+    return url if isinstance(url, str) else ", ".join(url)
+
+
+async def _chat_models(client: Client) -> list[str]:
+    """The READY models of the server that have a chat model's shape (decoupled, sequence batching, ROLE and TEXT
+    in, PIECE and FINISH out): what a user who named a missing one may have meant."""
+    found: set[str] = set()
+    for entry in await client.repository_index():
+        if entry.state != "READY" or entry.name in found:
+            continue
+        try:
+            spec = (await client.model(entry.name)).spec
+        except TritonError:
+            continue  # unloaded meanwhile: not there after all
+        names_in = {t.name for t in spec.inputs}
+        names_out = {t.name for t in spec.outputs}
+        chat_like = {"ROLE", "TEXT"} <= names_in and {"PIECE", "FINISH"} <= names_out
+        if spec.decoupled and spec.sequence is not None and chat_like:
+            found.add(entry.name)
+    return sorted(found)
+
+
 async def _session(ns: argparse.Namespace, keys: _Keys, out: TextIO, err: TextIO) -> int:
     from .._client import Client
     from .._sessions import ChatOptions
 
     # Checked first: a bad option must not wait for an embedded server to start.
-    ChatOptions(max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, temperature=ns.temperature, seed=ns.seed)
+    options = {
+        "max_tokens": ns.max_tokens, "min_tokens": ns.min_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
+        "top_k": ns.top_k, "seed": ns.seed, "stop": ns.stop,
+    }  # fmt: skip
+    ChatOptions(**options)
     urls = checked_urls(ns.url)
-    generated = checkpoint_repository(ns, "--checkpoint", prefix=f"triton-npu-chat-{os.getpid()}-")
+    generated = checkpoint_repository(ns, CHECKPOINT_FLAG, prefix=f"triton-npu-chat-{os.getpid()}-")
     if generated is not None and urls is not None:
         raise UsageError("--checkpoint serves the checkpoint on an embedded server: it cannot go with --url")
     if generated is not None and ns.model is not None:
@@ -355,14 +508,23 @@ async def _session(ns: argparse.Namespace, keys: _Keys, out: TextIO, err: TextIO
             )
             url = server.grpc_url
         client = await stack.enter_async_context(Client(url, timeout_s=30.0))
+
+        def open_chat(system: str | None) -> ChatSession:
+            # No deadline on a turn: an interactive reply ends when the model stops or Ctrl-C cancels it.
+            return client.chat(model, system=system, timeout_s=None, **options)
+
+        talk = _Conversation(open_chat, ns.system)
+        stack.push_async_callback(talk.aclose)
         # Opening the chat fetches the model's config: a wrong URL or model is reported before the first prompt.
-        # No deadline on a turn: an interactive reply ends when the model stops or Ctrl-C cancels it.
-        chat = await stack.enter_async_context(
-            client.chat(
-                model, system=ns.system, max_tokens=ns.max_tokens, min_tokens=ns.min_tokens,
-                temperature=ns.temperature, seed=ns.seed, timeout_s=None,
-            )
-        )
+        try:
+            await talk.begin()
+        except ModelNotFoundError:
+            there = await _chat_models(client)
+            found = f"chat models here: {', '.join(there)} (pass --model NAME)" if there else "no chat model here"
+            raise UsageError(f"model {model!r} not found at {_shown(url)}; {found}") from None
+        err.write(f"chatting with model {model!r} at {_shown(url)}: /help lists the commands, /quit or Ctrl-D "
+                  "leaves\n")  # fmt: skip
+        err.flush()
         reader = threading.Thread(
             target=_read_lines,
             args=(sys.stdin.fileno(), asyncio.get_running_loop(), keys.lines),
@@ -370,7 +532,7 @@ async def _session(ns: argparse.Namespace, keys: _Keys, out: TextIO, err: TextIO
             daemon=True,
         )
         reader.start()
-        code = await _repl(chat, keys, out, err, prompt=sys.stdin.isatty())
+        code = await _repl(talk, keys, out, err, prompt=sys.stdin.isatty())
     return code
 
 

@@ -5,7 +5,12 @@ embedded server is started on the packaged model repository, loading only the mo
 brings its composing models). The summary goes to stdout, the progress bar to stderr when it is a terminal.
 
 Every mistake in the arguments, paths, formats or checkpoint is found before a server starts, and reported as one
-line on stderr with its own exit code (:data:`EXIT_CODES`, also in ``--help`` and docs/scoring.md).
+line on stderr with its own exit code (:data:`EXIT_CODES`, also in ``--help`` and docs/scoring.md). So is every
+mistake the model's config shows (a stateful model, a batch size over its max, an output it lacks, several outputs
+for one ``.npy``, an input file every row of which it would refuse): read from the packaged repository's
+``config.pbtxt`` before the embedded server starts, or from the server's config at ``--url`` before any file is
+opened. The SDK's messages name its keyword arguments (``overwrite=True``); :func:`cli_words` turns them into the
+flags a person types here (``--overwrite``).
 """
 
 from __future__ import annotations
@@ -14,15 +19,20 @@ import argparse
 import asyncio
 import contextlib
 import math
+import re
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._errors import JobAborted, ModelNotFoundError, TritonError, UsageError
 from .._local import LocalTriton, default_model_repository
 from ._urls import URL_HELP, add_url_argument, checked_urls
 
-__all__ = ["EXIT_CODES", "add_arguments", "run"]
+if TYPE_CHECKING:
+    from .._model import ModelSpec
+
+__all__ = ["EXIT_CODES", "add_arguments", "cli_words", "run"]
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad arguments (argparse's own code): a malformed or out-of-range number, a missing flag
@@ -43,7 +53,9 @@ EXIT_INTERRUPTED = 130
 
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "done; failed rows, if any, within --max-failed",
-    EXIT_USAGE: "bad arguments: a missing flag, a malformed or out-of-range number",
+    EXIT_USAGE: "bad arguments (a missing flag, a malformed or out-of-range number), or a model or input the job "
+                "cannot use (stateful, --batch-size over its max, several outputs for one .npy, a column or dtype "
+                "every row would fail on)",
     EXIT_ROWS_FAILED: "the job finished, but more rows failed than --max-failed allows (see the errors file)",
     EXIT_ABORTED: "the server stayed unreachable past the job's patience: re-run to resume",
     EXIT_INPUT_MISSING: "the input file does not exist",
@@ -118,7 +130,51 @@ def _error_one_line(message: str) -> NoReturn:
 
 
 def _one_line(message: str) -> str:
-    return " ".join(message.split("\n"))
+    return " ".join(cli_words(message).split("\n"))
+
+
+# The SDK's words for its keyword arguments, and the flags that stand for them here. Each SDK message that names an
+# argument says so in one of these phrases (tests/test_cli_score.py meets every one through the command line).
+_WORDS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"(\w+)=True \((--[\w-]+)\)"), r"\2"),  # "overwrite=True (--overwrite)"
+    (re.compile(r"(\w+)=\S* \((--[\w-]+)\)"), r"\2"),  # "outputs=[NAME] (--output-name)", "keep= (--keep)"
+    (re.compile(r"pass format= one of ([\w, ]+) \((--(?:input|output)-format) on the command line\)"),
+     r"pass \2, one of \1"),
+    (re.compile(r"\ballow_lossy=True"), "--allow-lossy"),
+    (re.compile(r"\(max_line_bytes\)"), "(--max-line-bytes)"),
+    (re.compile(r"\bbatch_size must be"), "--batch-size must be"),
+    (re.compile(r"\(output=\.\.\.\)"), "(--output-name)"),
+    (re.compile(r"\(patience_s=([\d.]+)\)"), r"(its patience, \1 s)"),
+    (re.compile(r"\bscore\(\) "), "triton-npu score "),
+]
+
+
+def cli_words(message: str) -> str:
+    """An SDK message with its keyword arguments named as this command's flags (``overwrite=True`` ->
+    ``--overwrite``); the SDK keeps its Python words for Python callers."""
+    for pattern, flag in _WORDS:
+        message = pattern.sub(flag, message)
+    return message
+
+
+class _AppendColumns(argparse.Action):
+    """``--keep id --keep a,b``: each comma-separated name, in order, once."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        names = list(getattr(namespace, self.dest, None) or [])
+        for piece in str(values).split(","):
+            name = piece.strip()
+            if not name:
+                parser.error(f"{option_string}: an empty column name in {values!r} (a stray comma?)")
+            if name not in names:
+                names.append(name)
+        setattr(namespace, self.dest, names)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,7 +190,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the job's rows (0.01 or 1%%)")
     p.add_argument("--concurrency", type=_positive_int, default=4, help="requests in flight (default 4)")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="rows per request (default: the model's max)")
-    p.add_argument("--output-name", action="append", default=None, help="only this output (repeatable)")
+    p.add_argument("--output-name", action="append", default=None,
+                   help="only this output (repeatable); a .npy output holds one, so a model of several outputs needs "
+                        "it there (JSONL and Parquet hold them all)")
+    p.add_argument("--keep", action=_AppendColumns, default=[], metavar="COLUMN",
+                   help="carry this input column (an id) to each output row, beside the outputs (repeatable, or a "
+                        "comma-separated list; JSONL, CSV or Parquet in, JSONL or Parquet out)")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="cast numbers whatever they lose (a float64 .npy into an FP32 input); without it such rows "
+                        "are refused")
+    p.add_argument("--keep-checkpoint", action="store_true",
+                   help="keep OUTPUT.checkpoint.json and an empty errors file when the job is complete (removed by "
+                        "default; kept, a re-run of the finished job does nothing instead of refusing the output as "
+                        "a file no checkpoint vouches for)")
     p.add_argument("--input-format", default=None, help="override the input format (jsonl, csv, npy, txt, parquet)")
     p.add_argument("--output-format", default=None, help="override the output format (jsonl, npy, parquet)")
     p.add_argument("--max-line-bytes", type=_positive_int, default=None,
@@ -152,13 +220,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _preflight(ns: argparse.Namespace) -> None:
-    """Every check that needs no server: paths, formats, the checkpoint, the input's own structure."""
-    checked_urls(ns.url)
-    from .._jobs import InputFileError, JobPathError, plan_job, read_rows
+    """Every check that needs no server: paths, formats, the checkpoint, the input's own structure; and, for the
+    embedded server, the model's config as its repository holds it."""
+    url = checked_urls(ns.url)
+    from .._jobs import InputFileError, JobPathError, plan_job, read_rows, repository_spec
 
     plan = plan_job(
         ns.input, ns.output, model=ns.model, errors=ns.errors, batch_size=ns.batch_size, outputs=ns.output_name,
         input_format_name=ns.input_format, output_format_name=ns.output_format, overwrite=ns.overwrite, apply=False,
+        keep=ns.keep,
     )
     assert plan.source is not None
     try:
@@ -167,9 +237,24 @@ def _preflight(ns: argparse.Namespace) -> None:
         raise
     except (ValueError, OSError) as err:
         raise InputFileError(f"input file {plan.source}: {err}", path=plan.source, role="input") from err
-    if ns.url is None and not (default_model_repository() / ns.model / "config.pbtxt").is_file():
-        raise ModelNotFoundError(f"no model {ns.model!r} among the packaged server models: pass --url",
-                                 model=ns.model)
+    if url is None:
+        # The embedded server serves this repository as it is on disk (no auto-complete): its config is the model's.
+        spec = repository_spec(default_model_repository(), ns.model)
+        if spec is None:
+            raise ModelNotFoundError(f"no model {ns.model!r} among the packaged server models: pass --url",
+                                     model=ns.model)
+        _check_job(ns, spec, plan.source, plan.input_format)
+
+
+def _check_job(ns: argparse.Namespace, spec: ModelSpec, source: Path | None, input_format: str | None) -> None:
+    """The model and options (stateful, batch size, outputs), then the input file's columns or dtype, against
+    ``spec``: from the repository before a server starts, or from the server before any file is opened."""
+    from .._jobs import check_model, check_source, output_format
+
+    check_model(spec, batch_size=ns.batch_size, concurrency=ns.concurrency, outputs=ns.output_name,
+                output_format=output_format(ns.output, ns.output_format), keep=ns.keep)
+    if source is not None and input_format is not None:
+        check_source(spec, source, input_format, allow_lossy=ns.allow_lossy, keep=ns.keep)
 
 
 async def _main(ns: argparse.Namespace) -> int:
@@ -188,12 +273,17 @@ async def _main(ns: argparse.Namespace) -> int:
             url = server.grpc_url
         client = await stack.enter_async_context(Client(url, timeout_s=60.0))
         model = await client.model(ns.model)
+        # The server's own config (a model at --url was not read before): every check again, before any file opens.
+        from .._jobs import input_format
+
+        _check_job(ns, model.spec, Path(ns.input), input_format(ns.input, ns.input_format))
         extra = {} if ns.max_line_bytes is None else {"max_line_bytes": ns.max_line_bytes}
         summary = await score(
             model, ns.input, ns.output, errors=ns.errors, concurrency=ns.concurrency, batch_size=ns.batch_size,
             outputs=ns.output_name, progress=False if ns.no_progress else None, shared_memory=ns.shared_memory,
             input_format=ns.input_format, output_format=ns.output_format, commit_every_s=ns.commit_every,
-            overwrite=ns.overwrite, **extra,
+            overwrite=ns.overwrite, allow_lossy=ns.allow_lossy, keep=ns.keep, keep_checkpoint=ns.keep_checkpoint,
+            **extra,
         )
         print(summary, flush=True)
     failed, total = summary.job_rows_failed, summary.job_rows

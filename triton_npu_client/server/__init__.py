@@ -2,13 +2,15 @@
 
 This folder's own modules are the generic toolkit any stateful model can use: sequence controls (``_controls``),
 per-sequence slots and state (``_state``), the step loop of decoupled models (``_generate``), device choice
-(``_device``), the model config (``_config``), refusal markers (``_markers``), the chat history digest (``_digest``),
-checkpoint JSON files (``_files``) and the running-statistics model (``_model``). Each model engine lives in a
-folder of its own: ``chat/`` (GPT-2 decoder, KV cache, chat engine and model) and ``encoder/`` (BERT, the sentence
-tokenizer and encoder models). The toolkit imports no engine; an engine imports the toolkit and itself, never
-another engine (tests/test_layers.py). Every public name is re-exported here whichever folder defines it.
+(``_device``), the model config (``_config``), checkpoint JSON files (``_files``) and the running-statistics model
+(``_model``). What the server and the client must spell the same (refusal markers, the chat history digest, the chat
+model's tensor names) is neither side's: it lives in ``triton_npu_client._protocol``, which both import. Each model
+engine lives in a folder of its own: ``chat/`` (GPT-2 decoder, KV cache, chat engine and model) and ``encoder/``
+(BERT, the sentence tokenizer and encoder models). The toolkit imports no engine; an engine imports the toolkit and
+itself, never another engine (tests/test_layers.py). Every public name is re-exported here whichever folder defines
+it.
 
-Imports only the standard library and numpy (never the client, tritonclient or
+Imports only the standard library, numpy and the protocol (never the client, tritonclient or
 ``triton_python_backend_utils``), so model.py files, unit tests and ``bench/device_check.py`` can all
 use it. torch is imported lazily, and only for an instance that may use an accelerator (see
 :func:`accelerator_possible`): a CPU instance runs on :class:`NumpyMoments` without it.
@@ -18,6 +20,7 @@ The one pb_utils-facing piece, :class:`RunningStatsModel`, takes that module as 
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
+    from .._protocol import SEQUENCE_BUSY
     from ._config import SequenceBatching, model_parameter, parse_model_config
     from ._controls import FLAG_END, FLAG_START, SequenceControls, read_controls
     from ._device import (
@@ -32,7 +35,6 @@ if _typing.TYPE_CHECKING:
         to_host,
     )
     from ._generate import ExitReason, StepLoop, StepOutput, Stream
-    from ._markers import SEQUENCE_BUSY
     from ._model import RunningStatsModel
     from ._state import BatchPlan, NumpyMoments, Refusal, RunningMoments, SequenceSlots
     from .chat._blocks import BlockManager, BlockTable, CacheFull, PagedKVCache
@@ -54,9 +56,9 @@ if _typing.TYPE_CHECKING:
         packaged_checkpoint,
     )
 
-# Every name loads its module on first use (PEP 562): the client imports the leaf modules _markers and _digest, and
-# Python runs this file first, so an eager import here would load the whole toolkit (numpy models, tokenizers)
-# into every client process. A name maps to its module, or to (module, name there) when it is renamed here.
+# Every name loads its module on first use (PEP 562): `import triton_npu_client.server` stays cheap for a model.py
+# that needs one engine, and a tool that reads one name loads neither numpy models nor tokenizers. A name maps to
+# its module (relative to this package: "._protocol" is the protocol, beside it), or to (module, name there).
 _LAZY: dict[str, str | tuple[str, str]] = {
     "BERT": "encoder._bert",
     "BertConfig": "encoder._bert",
@@ -116,7 +118,7 @@ _LAZY: dict[str, str | tuple[str, str]] = {
     "LlamaLayer": "chat._llama",
     "RopeScaling": "chat._llama",
     "load_llama": "chat._llama",
-    "SEQUENCE_BUSY": "_markers",
+    "SEQUENCE_BUSY": "._protocol",  # the marker model.py files raise with
     "RunningStatsModel": "_model",
     "BatchPlan": "_state",
     "NumpyMoments": "_state",

@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
+from .._protocol import SEQUENCE_BUSY
 from ._controls import CorrelationId
-from ._markers import SEQUENCE_BUSY
 from ._state import Clock, Refusal
 from ._timing import StepTrace
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import NDArray
 
+from .._protocol import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 from ._controls import CorrelationId, SequenceControls
-from ._markers import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +39,7 @@ class Refusal:
     ``reason`` is ``"capacity"`` (cap of live sequences reached: try later), ``"unknown"`` (a step for
     a sequence this instance does not hold), ``"duplicate"`` (two steps of one sequence in a batch),
     ``"no_id"`` or ``"bad_input"``; ``message`` is what the client reads. The messages of
-    ``"capacity"`` and ``"unknown"`` begin with their stable marker from ``_markers``.
+    ``"capacity"`` and ``"unknown"`` begin with their stable marker from ``triton_npu_client._protocol``.
     """
 
     reason: str

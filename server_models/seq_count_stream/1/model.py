@@ -8,6 +8,7 @@ response (one numpy increment for the whole batch) and stops cancelled steps.
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from triton_npu_client._protocol import INVALID_INPUT
 from triton_npu_client.server import (
     SequenceBatching,
     SequenceControls,
@@ -18,7 +19,6 @@ from triton_npu_client.server import (
     parse_model_config,
     read_controls,
 )
-from triton_npu_client.server._markers import INVALID_INPUT
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

@@ -110,21 +110,27 @@ def open_writer(
     errors_path: PathLike | None = None,
     format: str | None = None,  # the contract's name
     output: str | None = None,
+    keep: Sequence[str] = (),
 ) -> ResultWriter:
     """A writer of results to ``path`` (format from the suffix or ``format``: jsonl, npy, parquet); not opened yet.
 
     ``fingerprint`` identifies the job (input and options): ``open()`` refuses a checkpoint of another job with
     :class:`CheckpointMismatch`. ``errors_path``: JSONL, one line per failed row (without it failures are only
     counted). ``output``: the one output to write (required for ``.npy`` when the model has several; for the other
-    formats it narrows the columns). Parquet needs pyarrow (an ImportError names the extra to install).
+    formats it narrows the columns). ``keep``: input fields a run carries beside its outputs, written whatever
+    ``output`` narrows to (JSONL and Parquet). Parquet needs pyarrow (an ImportError names the extra to install).
     """
     file = Path(path)
     fmt = format_of(file, format, WRITE_FORMATS, "output")
     errors = None if errors_path is None else Path(errors_path)
+    writer: JsonlWriter | NpyWriter | ParquetWriter
     if fmt == "jsonl":
-        return JsonlWriter(file, fingerprint=fingerprint, errors_path=errors, output=output)
-    if fmt == "npy":
-        return NpyWriter(file, fingerprint=fingerprint, errors_path=errors, output=output)
-    return ParquetWriter(file, fingerprint=fingerprint, errors_path=errors, output=output)
+        writer = JsonlWriter(file, fingerprint=fingerprint, errors_path=errors, output=output)
+    elif fmt == "npy":
+        writer = NpyWriter(file, fingerprint=fingerprint, errors_path=errors, output=output)
+    else:
+        writer = ParquetWriter(file, fingerprint=fingerprint, errors_path=errors, output=output)
+    writer.keep = tuple(keep)
+    return writer
 
 

@@ -360,6 +360,7 @@ class Writer:
 
     format: ClassVar[str]
     gapless: ClassVar[bool] = False  # every index must come (a .npy slot per input row)
+    keep: tuple[str, ...] = ()  # input fields a run carries beside the outputs; ``output`` never drops them
 
     def __init__(self, path: Path, *, fingerprint: str, errors_path: Path | None, output: str | None) -> None:
         self.path = path
@@ -488,7 +489,9 @@ class Writer:
             return outputs
         if self.output not in outputs:
             raise ValueError(f"output {self.output!r} is not among the row's outputs ({', '.join(outputs)})")
-        return {self.output: outputs[self.output]}
+        selected = {name: outputs[name] for name in self.keep if name in outputs}
+        selected[self.output] = outputs[self.output]
+        return selected
 
     def _put(self, start: int, n: int, arrays: Mapping[str, npt.NDArray[Any]]) -> None:
         self._take(start, n)

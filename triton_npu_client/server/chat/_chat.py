@@ -41,7 +41,7 @@ turn follows (drops old reasoning, moves a system prompt) is met by a rewind to 
 - Memory: a conversation that needs a block when the pool has none makes the longest-idle conversation (not
   generating, idle at least ``evict_min_idle_s``) give way; if none may, a new turn is refused as over
   capacity and a generating reply finishes with ``"context"``.
-- History digest: each conversation keeps ``digest`` (a chain over its committed turns, see ``_digest``)
+- History digest: each conversation keeps ``digest`` (a chain over its committed turns, see ``_protocol``)
   and can undo its last committed turn once. A turn that carries the client's digest proceeds when it
   matches, rolls the last turn back first when it matches the digest before it (the client never saw
   that turn end), and is refused as an unknown sequence otherwise.
@@ -69,10 +69,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+from ..._protocol import EMPTY, SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN, history_digest
+from ..._protocol import chat as proto
 from .._controls import CorrelationId, SequenceControls
-from .._digest import EMPTY, history_digest
 from .._generate import ExitReason, StepOutput, Stream
-from .._markers import SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN
 from .._state import SequenceSlots
 from ._blocks import BlockManager, BlockTable, CacheFull
 from ._runner import Compile, DecodeBatch, ModelRunner, PrefillRow, RowSampling
@@ -112,9 +112,6 @@ _EXITS: Final[dict[str, TurnStatus]] = {
     "cancelled": "cancelled", "superseded": "superseded", "failed": "failed", "shutdown": "shutdown",
 }  # fmt: skip
 RefusalKind = Literal["invalid", "capacity", "unknown"]
-
-#: The longest stream interval a turn may ask for (STREAM_INTERVAL_MS): past a minute a "stream" is one response.
-STREAM_INTERVAL_MAX_MS: Final = 60000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,7 +169,7 @@ class TurnOptions:
             problems.append(f"TOP_K must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             problems.append("STOP strings must not be empty")
-        longest = STREAM_INTERVAL_MAX_MS / 1000
+        longest = proto.STREAM_INTERVAL_MAX_MS / 1000
         if self.stream_interval_s is not None and not 0 <= self.stream_interval_s <= longest:  # also refuses NaN
             problems.append(f"stream_interval_s must be in 0..{longest:g} seconds, got {self.stream_interval_s}")
         if problems:
@@ -401,10 +398,9 @@ class ChatEngine:
         Sizes are checked against :attr:`limits` on raw byte lengths before anything is decoded.
         ``stream_interval_ms`` (STREAM_INTERVAL_MS) overrides the engine's stream interval for this turn.
         """
-        if stream_interval_ms is not None and not 0 <= int(stream_interval_ms) <= STREAM_INTERVAL_MAX_MS:
-            raise ValueError(
-                f"STREAM_INTERVAL_MS must be in 0..{STREAM_INTERVAL_MAX_MS} milliseconds, got {int(stream_interval_ms)}"
-            )
+        if stream_interval_ms is not None and not 0 <= int(stream_interval_ms) <= proto.STREAM_INTERVAL_MAX_MS:
+            longest = proto.STREAM_INTERVAL_MAX_MS
+            raise ValueError(f"STREAM_INTERVAL_MS must be in 0..{longest} milliseconds, got {int(stream_interval_ms)}")
         limits = self.limits
         roles = list(roles or ())
         texts = list(texts or ())
@@ -439,7 +435,7 @@ class ChatEngine:
         if digest is not None:
             if _size(digest) > 64:
                 raise ValueError(f"DIGEST must be a history digest (at most 64 characters), got {_size(digest)} bytes")
-            client_digest = _text(digest, "DIGEST")
+            client_digest = _text(digest, proto.DIGEST)
         if not roles:
             if not end:
                 raise ValueError("a turn needs ROLE and TEXT (at least one user message); only END may come without")

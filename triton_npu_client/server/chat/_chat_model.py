@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from ..._protocol import INVALID_INPUT
+from ..._protocol import chat as proto
 from .._config import SequenceBatching, model_parameter, parse_model_config
 from .._controls import CorrelationId, read_controls
 from .._device import (
@@ -56,7 +58,6 @@ from .._device import (
     probe_accelerators,
 )
 from .._generate import StepLoop
-from .._markers import INVALID_INPUT
 from .._state import SequenceSlots
 from .._timing import StepTrace
 from ._blocks import PagedKVCache
@@ -68,8 +69,6 @@ from ._template import CheckpointTokenizer
 __all__ = ["ChatModel"]
 
 _log = logging.getLogger("triton_npu_client.server")
-
-OPTION_INPUTS = ("MAX_TOKENS", "MIN_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED", "STREAM_INTERVAL_MS")
 
 
 class ChatModel:
@@ -213,7 +212,7 @@ class ChatModel:
                         sender.send(flags=self._final)
                         continue
                     key, start, end = controls.correlation_id, controls.start, controls.end
-                options = {name.lower(): self._scalar(request, name) for name in OPTION_INPUTS}
+                options = {name.lower(): self._scalar(request, name) for name in proto.OPTION_INPUTS}
                 turn = self.engine.parse(
                     key=key,
                     start=start,

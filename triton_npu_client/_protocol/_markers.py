@@ -1,4 +1,5 @@
-"""Stable markers at the start of the toolkit's own refusal messages, shared by the server and the client.
+"""Stable markers at the start of the server toolkit's own refusal messages: the server writes them, the client reads
+them.
 
 The client must tell these refusals apart over unary gRPC, HTTP and the gRPC stream alike; a stream
 error carries nothing but its message text, so the text itself holds a fixed, versionless phrase.
@@ -6,7 +7,8 @@ Every refusal the toolkit makes for one of these reasons begins with its marker,
 sentence naming the sequence id and what to do. Match with ``in`` (or :func:`marker_in`), not by
 position: a server or proxy may prefix the text.
 
-This module imports nothing, so the client can read it without the toolkit's numpy or torch.
+This module imports nothing (tests/test_server_toolkit.py holds it), so either side reads it without the other's
+dependencies.
 """
 
 __all__ = ["INVALID_INPUT", "MARKERS", "SEQUENCE_BUSY", "SEQUENCE_CAPACITY", "SEQUENCE_UNKNOWN", "marker_in"]

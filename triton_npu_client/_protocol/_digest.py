@@ -3,8 +3,8 @@
 A chain over committed turns: ``digest(previous, messages, reply)``, starting from :data:`EMPTY` for a fresh
 conversation. Both sides know exactly the same strings (the messages the client sent, the reply text the client
 received), so equal digests mean both sides hold the same history; the server drops old messages to fit its
-context, but that changes neither side's chain. Like ``_markers``, this module imports nothing of the toolkit, so
-the client reads it without numpy or torch.
+context, but that changes neither side's chain. Like ``_markers``, this module imports the standard library only, so
+either side reads it without the other's dependencies.
 """
 
 from __future__ import annotations

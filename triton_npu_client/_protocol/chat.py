@@ -1,0 +1,50 @@
+"""The chat model's tensors, by name: what the server's chat model declares and the client's chat sessions send and
+read (``server_models/chat/config.pbtxt`` declares exactly these; tests/test_protocol.py holds it).
+
+Names only, no dtypes or shapes: those are the config's, and each side reads them from there (the client from the
+model's config it fetches). This module imports nothing. Read as a namespace: ``from .._protocol import chat as
+proto``, then ``proto.DIGEST``.
+"""
+
+# -- inputs: a turn's messages, its options, the client's digest ----------------------------------------------------
+ROLE = "ROLE"  # one role per message of the turn (BYTES)
+TEXT = "TEXT"  # one text per message, UTF-8 (BYTES)
+MAX_TOKENS = "MAX_TOKENS"
+MIN_TOKENS = "MIN_TOKENS"
+TEMPERATURE = "TEMPERATURE"
+TOP_P = "TOP_P"
+TOP_K = "TOP_K"
+SEED = "SEED"
+STOP = "STOP"  # strings the reply is cut before (BYTES, any count)
+STREAM_INTERVAL_MS = "STREAM_INTERVAL_MS"  # a model from before it lacks the input: the client checks first
+#: The history digest (``_digest``): an input with every turn but a START, and an output of a turn's last response.
+DIGEST = "DIGEST"
+
+# -- outputs: each response's piece; the last response's finish reason and counts ---------------------------------
+PIECE = "PIECE"  # raw bytes that may split a UTF-8 character
+FINISH = "FINISH"  # "" until the last response
+TOKENS = "TOKENS"
+PROMPT_TOKENS = "PROMPT_TOKENS"
+CONTEXT_TOKENS = "CONTEXT_TOKENS"
+DROPPED = "DROPPED"
+LIVE = "LIVE"  # conversations the instance holds (an operator's probe)
+KV_BYTES = "KV_BYTES"  # bytes of KV cache they hold
+INPUT_TOKENS = "INPUT_TOKENS"  # a config may leave it out (one from before it): the client reads 0
+
+#: What makes a model a chat model: the client refuses one without these.
+REQUIRED_INPUTS = (ROLE, TEXT)
+REQUIRED_OUTPUTS = (PIECE, FINISH)
+#: The generation options' inputs, each optional: sent only when the option is set.
+OPTION_INPUTS = (MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STREAM_INTERVAL_MS)
+#: Every input and output the packaged chat model declares.
+INPUTS = (*REQUIRED_INPUTS, *OPTION_INPUTS, STOP, DIGEST)
+OUTPUTS = (*REQUIRED_OUTPUTS, TOKENS, PROMPT_TOKENS, CONTEXT_TOKENS, DROPPED, LIVE, KV_BYTES, DIGEST, INPUT_TOKENS)
+
+#: The longest stream interval the server takes: the client refuses a longer one before sending.
+STREAM_INTERVAL_MAX_MS = 60000
+
+#: The decoder families the chat model serves, by a checkpoint's ``config.json`` ``model_type``: the values of the
+#: ``checkpoint`` parameter the launcher writes into a generated config and the engine loads. The client refuses
+#: another before any server starts; the engine maps each to its loader (``server/chat/_families.py``, which must
+#: name exactly these: tests/test_protocol.py).
+MODEL_TYPES = ("gpt2", "llama", "qwen2", "mistral")
