@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from .._errors import TritonError
 from .._version import __version__
-from . import _chat, _fleet, _openai, _score, _serve
+from . import _chat, _fleet, _openai, _score, _serve, _stubs
 
 __all__ = ["main"]
 
@@ -28,30 +29,11 @@ COMMANDS["serve"] = (
 )
 
 
-def _stubs_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_repository", help="model repository whose */config.pbtxt files to read")
-    p.add_argument("-o", "--output", default=None, help="module file to write (default: print to stdout)")
-    p.add_argument("--model", action="append", default=[], help="only this model (repeatable; default: every model)")
-
-
-def _stubs(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from ._stubs import generate_stubs
-
-    # Recorded in the generated module's docstring so a reader knows how to regenerate it; the
-    # repository path is written as given, and models in sorted order, so the text stays reproducible.
-    shown = [ns.model_repository, *(f"--model {m}" for m in sorted(set(ns.model)))]
-    text = generate_stubs(Path(ns.model_repository), models=ns.model, command_args=" " + " ".join(shown))
-    if ns.output is None:
-        sys.stdout.write(text)
-    else:
-        Path(ns.output).write_text(text)
-        print(f"wrote {ns.output}", file=sys.stderr)
-    return 0
-
-
-COMMANDS["stubs"] = (_stubs_args, _stubs, "generate typed input/output classes from a model repository")
+COMMANDS["stubs"] = (
+    _stubs.add_arguments,
+    _stubs.run,
+    "generate typed input/output classes from a model repository, or from a running server (--url)",
+)
 
 
 COMMANDS["chat"] = (_chat.add_arguments, _chat.run, "chat with a chat model in the terminal, replies streamed")
@@ -64,8 +46,17 @@ COMMANDS["openai"] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a mistake reported as one line (``triton-npu VERB: message``) and exit 2, not a usage block:
+    the same shape as every mistake a verb finds itself. Subparsers are made of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {' '.join(message.split())}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="triton-npu", description="Triton Inference Server client tools.")
+    parser = _Parser(prog="triton-npu", description="Triton Inference Server client tools.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _, help_text) in COMMANDS.items():

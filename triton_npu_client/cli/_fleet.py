@@ -21,7 +21,7 @@ import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NoReturn, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ._urls import URL_HELP, add_url_argument, checked_urls
 
@@ -66,13 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each replica's Prometheus port (Triton's default 8002): adds the requests pending now")
     p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds for each replica to answer (default 5)")
     p.epilog = "exit status: 0 every replica ready, 1 a replica not ready (or none found), 2 usage error"
-    p.error = _usage_error  # type: ignore[method-assign]
-
-
-def _usage_error(message: str) -> NoReturn:
-    # One line, not argparse's usage block: the same shape as a malformed URL (and as `triton-npu score`).
-    print(f"triton-npu fleet: {' '.join(message.split())}", file=sys.stderr)
-    sys.exit(2)
 
 
 def _pending(text: str) -> int:

@@ -1,50 +1,78 @@
-"""Generate typed input/output classes from a model repository's ``config.pbtxt`` files.
+"""Generate typed input/output classes from a model repository's ``config.pbtxt`` files, or from a running server.
 
 ``triton-npu stubs MODEL_REPOSITORY -o module.py`` writes one module holding, per model, a frozen attrs
 ``<Model>Inputs`` class (keyword-only, one numpy-typed field per input) and a ``<Model>Outputs`` class, so
-that mypy catches a wrong input name or dtype in user code before anything runs.
+that mypy catches a wrong input name or dtype in user code before anything runs. ``triton-npu stubs --url URL``
+reads the configs of the server's READY models instead (or of the ``--model`` ones); without either, the server
+named by ``$TRITON_URLS``, else ``$TRITON_URL``, as every verb that makes a client does.
 
 The generated module depends on attrs and numpy only, never on this package: ``Inputs.as_dict()`` gives a
 ``dict[str, ndarray]`` to splat into any client's infer call, and ``Outputs.from_result(result)`` reads any
 result that has ``as_numpy(name)`` (tritonclient), an ``outputs`` mapping, or ``__getitem__(name)``.
 
-Configs are parsed with tritonclient's ``ModelConfig`` protobuf and ``google.protobuf.text_format``; the
-output is deterministic (models and tensors sorted by name) and ruff / mypy --strict clean.
+Both sources go through the :class:`~triton_npu_client._model.ModelSpec` the client validates requests with: a
+``config.pbtxt`` is parsed with tritonclient's ``ModelConfig`` protobuf, a server's config is the one
+``client.model(name)`` fetches. So the same models give the same module text from either (only the docstring line
+saying how to regenerate it names the source), and a stub never promises what the client would refuse. The output
+is deterministic (models and tensors sorted by name) and ruff / mypy --strict clean.
+
+``-o FILE`` never replaces a file this tool did not write: a file that is not a generated stubs module (its
+docstring says so) is refused unless ``--overwrite``.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
 import json
 import keyword
+import os
 import re
+import secrets
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2 as mc
 
-from .._errors import UsageError
+from .._errors import ModelNotFoundError, TransportError, TritonError, UsageError
+from ._urls import URL_HELP, add_url_argument, checked_urls
 
-__all__ = ["ModelStub", "TensorStub", "generate_stubs", "read_repository", "render_module"]
+if TYPE_CHECKING:
+    from .._model import ModelSpec, TensorSpec
 
-# Triton dtype -> (numpy scalar type used in annotations and casts, Triton's short name).
+__all__ = [
+    "ModelStub",
+    "TensorStub",
+    "add_arguments",
+    "check_output",
+    "generate_stubs",
+    "read_repository",
+    "read_server",
+    "render_module",
+    "run",
+    "write_module",
+]
+
+# Triton dtype (as ModelSpec spells it) -> numpy scalar type used in annotations and casts.
 # BF16 has no numpy dtype: callers hold it as float32 and the client encodes it.
-_NUMPY: dict[int, tuple[str, str]] = {
-    mc.TYPE_BOOL: ("np.bool_", "BOOL"),
-    mc.TYPE_UINT8: ("np.uint8", "UINT8"),
-    mc.TYPE_UINT16: ("np.uint16", "UINT16"),
-    mc.TYPE_UINT32: ("np.uint32", "UINT32"),
-    mc.TYPE_UINT64: ("np.uint64", "UINT64"),
-    mc.TYPE_INT8: ("np.int8", "INT8"),
-    mc.TYPE_INT16: ("np.int16", "INT16"),
-    mc.TYPE_INT32: ("np.int32", "INT32"),
-    mc.TYPE_INT64: ("np.int64", "INT64"),
-    mc.TYPE_FP16: ("np.float16", "FP16"),
-    mc.TYPE_FP32: ("np.float32", "FP32"),
-    mc.TYPE_FP64: ("np.float64", "FP64"),
-    mc.TYPE_BF16: ("np.float32", "BF16"),
-    mc.TYPE_STRING: ("np.object_", "BYTES"),
+_NUMPY: dict[str, str] = {
+    "BOOL": "np.bool_",
+    "UINT8": "np.uint8",
+    "UINT16": "np.uint16",
+    "UINT32": "np.uint32",
+    "UINT64": "np.uint64",
+    "INT8": "np.int8",
+    "INT16": "np.int16",
+    "INT32": "np.int32",
+    "INT64": "np.int64",
+    "FP16": "np.float16",
+    "FP32": "np.float32",
+    "FP64": "np.float64",
+    "BF16": "np.float32",
+    "BYTES": "np.object_",
 }
 # What a caller may pass for a BYTES input: text, raw bytes, lists of either, or an object array.
 _BYTES_INPUT = "_BytesLike"
@@ -53,6 +81,8 @@ _RESERVED = frozenset(
     {"MODEL_NAME", "MAX_BATCH_SIZE", "SEQUENCE", "SEQUENCE_STRATEGY", "STRING_CORRELATION_ID", "DECOUPLED"}
     | {"as_dict", "from_result", "TENSOR_NAMES"}
 )
+# Seconds each call to a server (its index, each model's config) may take.
+_SERVER_TIMEOUT_S = 30.0
 
 
 @attrs.frozen(kw_only=True)
@@ -61,22 +91,18 @@ class TensorStub:
 
     name: str
     field: str
-    dtype: int
+    triton_dtype: str
     dims: tuple[int, ...]
     optional: bool = False
 
     @property
-    def triton_dtype(self) -> str:
-        return _NUMPY[self.dtype][1]
-
-    @property
     def scalar(self) -> str:
-        return _NUMPY[self.dtype][0]
+        return _NUMPY[self.triton_dtype]
 
 
 @attrs.frozen(kw_only=True)
 class ModelStub:
-    """One model's facts, read from its ``config.pbtxt``."""
+    """One model's facts, read from its ``config.pbtxt`` or from a server, through its :class:`ModelSpec`."""
 
     name: str
     class_prefix: str
@@ -86,6 +112,21 @@ class ModelStub:
     sequence_strategy: str | None
     string_correlation_id: bool
     decoupled: bool
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, *, name: str, class_prefix: str, where: str) -> ModelStub:
+        """The stub of ``spec`` for model ``name`` (Triton names a model after its folder, not its config's name)."""
+        seq = spec.sequence
+        return cls(
+            name=name,
+            class_prefix=class_prefix,
+            max_batch_size=spec.max_batch_size,
+            inputs=_tensors(where, spec.inputs),
+            outputs=_tensors(where, spec.outputs),
+            sequence_strategy=None if seq is None else seq.strategy,
+            string_correlation_id=seq is not None and seq.string_ids,
+            decoupled=spec.decoupled,
+        )
 
 
 def _identifier(raw: str, *, capitalise: bool) -> str:
@@ -118,51 +159,40 @@ def _unique(names: Iterable[str], taken: Iterable[str] = ()) -> list[str]:
     return out
 
 
-def _tensors(where: str, items: Sequence[mc.ModelInput] | Sequence[mc.ModelOutput]) -> tuple[TensorStub, ...]:
+def _tensors(where: str, items: Sequence[TensorSpec]) -> tuple[TensorStub, ...]:
     ordered = sorted(items, key=lambda t: t.name)
     fields = _unique((_field_name(t.name) for t in ordered), _RESERVED)
     stubs = []
     for tensor, field in zip(ordered, fields, strict=True):
-        if tensor.data_type not in _NUMPY:
-            raise UsageError(f"{where}: tensor {tensor.name!r} has unsupported data type {tensor.data_type}")
+        if tensor.dtype not in _NUMPY:
+            raise UsageError(f"{where}: tensor {tensor.name!r} has unsupported data type {tensor.dtype}")
         stubs.append(
             TensorStub(
-                name=tensor.name,
-                field=field,
-                dtype=tensor.data_type,
-                dims=tuple(tensor.dims),
-                optional=bool(getattr(tensor, "optional", False)),
+                name=tensor.name, field=field, triton_dtype=tensor.dtype, dims=tensor.dims, optional=tensor.optional
             )
         )
     return tuple(stubs)
 
 
+def _spec(config: object, where: str) -> ModelSpec:
+    from .._model import ModelSpec
+
+    try:
+        return ModelSpec.from_config(config)
+    except ValueError as err:  # a data type the SDK does not know (TYPE_INVALID, or newer than it)
+        raise UsageError(f"{where}: {err}") from None
+
+
 def _read_config(path: Path, model_name: str, class_prefix: str) -> ModelStub:
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
     config = mc.ModelConfig()
     try:
         text_format.Parse(path.read_text(), config)
     except text_format.ParseError as err:
         raise UsageError(f"{path}: not a valid Triton model config: {err}") from err
-    seq = config.sequence_batching if config.HasField("sequence_batching") else None
-    strategy: str | None = None
-    string_corrid = False
-    if seq is not None:
-        strategy = seq.WhichOneof("strategy_choice") or "direct"  # Triton's default strategy
-        string_corrid = any(
-            c.kind == mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_CORRID and c.data_type == mc.TYPE_STRING
-            for ci in seq.control_input
-            for c in ci.control
-        )
-    return ModelStub(
-        name=model_name,
-        class_prefix=class_prefix,
-        max_batch_size=config.max_batch_size,
-        inputs=_tensors(str(path), config.input),
-        outputs=_tensors(str(path), config.output),
-        sequence_strategy=strategy,
-        string_correlation_id=string_corrid,
-        decoupled=config.model_transaction_policy.decoupled,
-    )
+    return ModelStub.from_spec(_spec(config, str(path)), name=model_name, class_prefix=class_prefix, where=str(path))
 
 
 def read_repository(repository: Path, *, models: Sequence[str] = ()) -> list[ModelStub]:
@@ -175,12 +205,43 @@ def read_repository(repository: Path, *, models: Sequence[str] = ()) -> list[Mod
         if missing:
             raise UsageError(f"{repository}: no config.pbtxt for model(s) {', '.join(missing)}")
         found = sorted(set(models))
-    # Triton names a model after its folder; the config's own name, when set, must match it.
     prefixes = _unique(_identifier(name, capitalise=True) for name in found)
     return [
         _read_config(repository / name / "config.pbtxt", name, prefix)
         for name, prefix in zip(found, prefixes, strict=True)
     ]
+
+
+async def read_server(
+    urls: str | Sequence[str], *, models: Sequence[str] = (), timeout_s: float = _SERVER_TIMEOUT_S
+) -> list[ModelStub]:
+    """Read every READY model of the server at ``urls`` (or only ``models``), each through ``client.model(name)``.
+
+    Raises :class:`ModelNotFoundError` naming a model that is not READY there and the models that are, and the
+    client's :class:`TransportError` when the server cannot be reached.
+    """
+    from .._client import Client
+
+    async with Client(urls, timeout_s=timeout_s) as client:
+        where = client.config.url
+        index = await client.repository_index()
+        ready = sorted({m.name for m in index if m.state == "READY"})
+        missing = sorted(set(models) - set(ready))
+        if missing:
+            raise ModelNotFoundError(
+                f"model(s) {', '.join(missing)} not READY at {where}; READY there: {', '.join(ready) or '(none)'}",
+                model=missing[0],
+            )
+        names = sorted(set(models)) if models else ready
+        if not names:
+            raise UsageError(f"{where}: no READY model")
+        prefixes = _unique(_identifier(name, capitalise=True) for name in names)
+        stubs = []
+        for name, prefix in zip(names, prefixes, strict=True):
+            # The spec the client validates requests with (cached by the client), so a stub matches its checks.
+            spec = (await client.model(name)).spec
+            stubs.append(ModelStub.from_spec(spec, name=name, class_prefix=prefix, where=f"{where} model {name!r}"))
+        return stubs
 
 
 def _q(value: str | None) -> str:
@@ -193,7 +254,7 @@ def _dims(t: TensorStub) -> str:
 
 
 def _input_type(t: TensorStub) -> str:
-    base = _BYTES_INPUT if t.dtype == mc.TYPE_STRING else f"npt.NDArray[{t.scalar}]"
+    base = _BYTES_INPUT if t.triton_dtype == "BYTES" else f"npt.NDArray[{t.scalar}]"
     return f"{base} | None" if t.optional else base
 
 
@@ -229,7 +290,7 @@ def _render_model(m: ModelStub) -> list[str]:
     ]
     for t in m.inputs:
         value = f"self.{t.field}"
-        encoded = f"np.asarray({value}, dtype=np.object_)" if t.dtype == mc.TYPE_STRING else value
+        encoded = f"np.asarray({value}, dtype=np.object_)" if t.triton_dtype == "BYTES" else value
         if t.optional:
             lines += [f"        if {value} is not None:", f"            out[{_q(t.name)}] = {encoded}"]
         else:
@@ -305,13 +366,137 @@ def render_module(models: Sequence[ModelStub], *, command_args: str = "") -> str
 
 
 def generate_stubs(
-    repository: Path, output: Path | None = None, *, models: Sequence[str] = (), command_args: str = ""
+    repository: Path,
+    output: Path | None = None,
+    *,
+    models: Sequence[str] = (),
+    command_args: str = "",
+    overwrite: bool = False,
 ) -> str:
     """Generate the stubs module for ``repository``; write it to ``output`` when given; return the text."""
+    if output is not None:
+        check_output(output, overwrite=overwrite)
     stubs = read_repository(repository, models=models)
     if not stubs:
         raise UsageError(f"{repository}: no model folder with a config.pbtxt")
     text = render_module(stubs, command_args=command_args)
     if output is not None:
-        output.write_text(text)
+        write_module(output, text, overwrite=overwrite)
     return text
+
+
+# How a module this tool wrote begins (its docstring): such a file may be replaced without --overwrite.
+_GENERATED = ('"""Typed inputs and outputs for the models of a Triton model repository.\n\n'
+              "Generated by ``triton-npu stubs")  # fmt: skip
+
+
+def _written_by_us(path: Path) -> bool:
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(_GENERATED.encode()))
+    except OSError:
+        return False
+    return head == _GENERATED.encode()
+
+
+def check_output(path: Path, *, overwrite: bool = False) -> None:
+    """Refuse ``path`` (a :class:`UsageError` in the command line's words) where writing it would replace something
+    this tool did not write, unless ``overwrite``; or where its folder does not exist."""
+    folder = path.parent
+    if not folder.is_dir():
+        raise UsageError(f"-o {path}: folder {folder} does not exist")
+    if path.is_dir() and not path.is_symlink():
+        raise UsageError(f"-o {path}: is a directory; give a module file")
+    if (path.exists() or path.is_symlink()) and not overwrite and not _written_by_us(path):
+        raise UsageError(
+            f"-o {path}: exists and is not a module triton-npu stubs wrote; pass --overwrite to replace it"
+        )
+
+
+def write_module(path: Path, text: str, *, overwrite: bool = False) -> None:
+    """Write ``text`` to ``path``: a new file, or in place of one :func:`check_output` allows (whole, never a part:
+    the text goes to a temporary file beside it first; a symlink is replaced, its target left alone)."""
+    check_output(path, overwrite=overwrite)
+    data = text.encode()
+    try:
+        with path.open("xb") as f:  # "x": a file that appeared since the check is not truncated
+            f.write(data)
+        return
+    except FileExistsError:
+        check_output(path, overwrite=overwrite)  # what appeared may be another program's file
+    # Created as open() creates a file (0o666 less the umask), then given the replaced file's permissions.
+    temp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        if path.is_file() and not path.is_symlink():
+            os.chmod(temp, path.stat().st_mode & 0o7777)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+# -- the command line -------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model_repository", nargs="?", default=None, metavar="MODEL_REPOSITORY",
+        help="model repository whose */config.pbtxt files to read (or --url: a running server's configs)",
+    )  # fmt: skip
+    add_url_argument(p, help="read the configs of a running server's READY models instead of a repository: " + URL_HELP)
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="module file to write (default: print to stdout); an existing file is replaced only when "
+                   "triton-npu stubs wrote it")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace FILE even when triton-npu stubs did not write it")
+    p.add_argument("--model", action="append", default=[], help="only this model (repeatable; default: every model)")
+    p.epilog = (
+        "one source: MODEL_REPOSITORY or --url, not both; with neither, the server at $TRITON_URLS, else $TRITON_URL "
+        "(exit status 2 when none is set, a model is missing, or the server cannot be reached)"
+    )
+
+
+def _generate(ns: argparse.Namespace) -> str:
+    if ns.model_repository is not None and ns.url is not None:
+        raise UsageError("give MODEL_REPOSITORY or --url URL, not both")
+    output = None if ns.output is None else Path(ns.output)
+    # Recorded in the generated module's docstring so a reader knows how to regenerate it; the source is written
+    # as given (a URL as the client takes it), and models in sorted order, so the text stays reproducible.
+    shown_models = [f"--model {m}" for m in sorted(set(ns.model))]
+    if ns.model_repository is not None:  # a repository given wins over $TRITON_URL: it is the explicit source
+        args = " " + " ".join([ns.model_repository, *shown_models])
+        return generate_stubs(
+            Path(ns.model_repository), output, models=ns.model, command_args=args, overwrite=ns.overwrite
+        )
+    urls = checked_urls(ns.url)
+    if urls is None:
+        raise UsageError("give a MODEL_REPOSITORY folder, or --url URL of a running server (or set $TRITON_URL)")
+    if output is not None:  # before any connection
+        check_output(output, overwrite=ns.overwrite)
+    stubs = asyncio.run(read_server(urls, models=ns.model))
+    text = render_module(stubs, command_args=" " + " ".join(["--url " + ",".join(urls), *shown_models]))
+    if output is not None:
+        write_module(output, text, overwrite=ns.overwrite)
+    return text
+
+
+def run(ns: argparse.Namespace) -> int:
+    """``triton-npu stubs``: see the module docstring."""
+    try:
+        text = _generate(ns)
+    except TritonError as err:
+        message = str(err)
+        if isinstance(err, TransportError):  # gRPC's own words name the address its way ("ipv4:..."): say which
+            message = f"cannot reach {', '.join(checked_urls(ns.url) or ())}: {message}"
+        print(f"triton-npu stubs: {' '.join(message.split())}", file=sys.stderr)
+        return 2
+    if ns.output is None:
+        sys.stdout.write(text)
+    else:
+        print(f"wrote {ns.output}", file=sys.stderr)
+    return 0
