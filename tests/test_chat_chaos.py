@@ -14,7 +14,7 @@ Invariants, checked after every run:
 
 The seed is printed. ``TNC_CHAOS_SEED=S`` runs seed S; ``TNC_CHAOS_RUNS=N`` runs N seeds from it (S, S+1, ...)::
 
-    TNC_CHAOS_SEED=1 TNC_CHAOS_RUNS=20 .venv/bin/pytest -q -s tests/test_chat_chaos.py
+    TNC_CHAOS_SEED=1 TNC_CHAOS_RUNS=20 .venv/bin/pytest -q -s -n 0 tests/test_chat_chaos.py
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ Invariants, checked after the run (every violation collected, then one assert th
 
 The seed comes from the ``seed`` fixture (``TNC_SEED=S`` runs seed S) and is printed with the run's counts::
 
-    TNC_SEED=1 .venv/bin/pytest tests/test_openai_chaos.py -q -s
+    TNC_SEED=1 .venv/bin/pytest tests/test_openai_chaos.py -q -s -n 0
 """
 
 from __future__ import annotations

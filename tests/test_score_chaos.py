@@ -5,7 +5,7 @@ every bad row once, and the input is untouched.
 Seeded: the seed is printed; ``TNC_CHAOS_SEED`` sets the first seed and ``TNC_CHAOS_RUNS`` how many consecutive seeds
 run (CI runs one, the fixed default). N seeds from 100::
 
-    TNC_CHAOS_SEED=100 TNC_CHAOS_RUNS=20 .venv/bin/pytest -q -s tests/test_score_chaos.py
+    TNC_CHAOS_SEED=100 TNC_CHAOS_RUNS=20 .venv/bin/pytest -q -s -n 0 tests/test_score_chaos.py
 
 The server is the module's own LocalTriton (only ``score_probe``: Y = 3 * X[0], each request sleeps max(X[1]) ms, a
 negative X[0] fails the request) so that it can be killed and restarted on the same ports while a job runs.
