@@ -17,7 +17,10 @@ Sections (each prints a table):
      scale_fp32, >= 0.95x on minilm);
    - the floor of any Python client: ``tritonclient.grpc.aio`` sending one prebuilt request over and over at the
      same batch and concurrency (nothing read, checked or written);
-   - a naive sequential ``tritonclient.grpc`` loop, one row per request.
+   - a naive sequential ``tritonclient.grpc`` loop, one row per request;
+   - score() and the raw loop each at its own best concurrency of the same ``--concurrency`` sweep (score() holds
+     each request a little longer than perf_analyzer does, reading, checking and writing rows around it, so the
+     load it puts on the server peaks at another concurrency): shown beside the figures at perf_analyzer's best.
    Two models: ``minilm`` (the real encoder ensemble; every row the same sentence, so every batch has the same
    shape), and ``scale_fp32`` (16 floats a row, almost no compute: the client's own cost shows).
    Rounds rotate who goes first; the figures are medians of ``--rounds``.
@@ -248,6 +251,17 @@ def throughput(
         sweep[c] = result.throughput_infer_s  # perf_analyzer counts inferences: rows, not requests
         print(f"  {model} b={batch}: perf_analyzer c={c}: {sweep[c]:,.0f} rows/s", flush=True)
     best = max(sweep, key=lambda c: sweep[c])
+    # Each client at its own best concurrency too: score() holds a request a little longer than perf_analyzer (it
+    # reads, checks and writes rows around it), so it may want more in flight for the same load on the server. The
+    # same sweep for score() and the raw loop, one run each; the table shows both (at perf_analyzer's c, at its own).
+    own: dict[str, dict[int, float]] = {"score": {}, "raw": {}}
+    for c in ns.concurrency:
+        own["score"][c] = time_score(url, model, source, out, batch=batch, concurrency=c)[0]
+        own["raw"][c] = raw_aio_loop(url, model, rows, batch=batch, concurrency=c)[0]
+        print(f"  {model} b={batch}: score() c={c}: {own['score'][c]:,.0f}, raw aio loop c={c}: {own['raw'][c]:,.0f} "
+              "rows/s", flush=True)
+    own_c = {k: max(v, key=lambda c: v[c]) for k, v in own.items()}
+    own_runs: dict[str, list[float]] = {"score": [], "raw": []}
     pa_runs: list[float] = []
     score_runs: list[float] = []
     before_runs: list[float] = []
@@ -258,6 +272,7 @@ def throughput(
     for r in range(ns.rounds):
         # Rotate who goes first: a machine whose load drifts favours no contender.
         order = ["pa", "score", "before", "engine", "raw"] if before is not None else ["pa", "score", "engine", "raw"]
+        order += ["score_own", "raw_own"]
         order = order[r % len(order):] + order[:r % len(order)]
         for which in order:
             if which == "pa":
@@ -271,6 +286,11 @@ def throughput(
                 rate, cpu_us = time_score(url, model, source, out, batch=batch, concurrency=best, tree=before)
                 before_runs.append(rate)
                 cpu["before"].append(cpu_us)
+            elif which == "score_own":
+                rate, _ = time_score(url, model, source, out, batch=batch, concurrency=own_c["score"])
+                own_runs["score"].append(rate)
+            elif which == "raw_own":
+                own_runs["raw"].append(raw_aio_loop(url, model, rows, batch=batch, concurrency=own_c["raw"])[0])
             elif which == "raw":
                 rate, cpu_us = raw_aio_loop(url, model, rows, batch=batch, concurrency=best)
                 raw_runs.append(rate)
@@ -288,6 +308,8 @@ def throughput(
         "pa_runs": pa_runs, "score_runs": score_runs, "before_runs": before_runs,
         "raw": statistics.median(raw_runs), "raw_runs": raw_runs,
         "cpu": {k: statistics.median(v) for k, v in cpu.items() if v},
+        "own_c": own_c, "own_sweep": own, "own": {k: statistics.median(v) for k, v in own_runs.items()},
+        "own_runs": own_runs,
     }
 
 
@@ -418,15 +440,18 @@ def main() -> int:
     print()
     print("| model | batch | rows | perf_analyzer best (c) | score() now | **now / perf_analyzer** | score() before | "
           "before / perf_analyzer | now / before | score_rows, in memory | raw aio loop | raw / perf_analyzer | "
-          "naive loop |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "naive loop | score() at its best c (c) | **its / perf_analyzer** | raw loop at its best c (c) | "
+          "its / perf_analyzer |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         was = r["before"]
         before_cells = (f"{was:,.0f} | {was / r['pa']:.2f}x | {r['score'] / was:.2f}x" if was else "- | - | -")
         print(
             f"| {r['model']} | {r['batch']} | {r['rows']:,} | {r['pa']:,.0f} ({r['best_c']}) | {r['score']:,.0f} | "
             f"**{r['score'] / r['pa']:.2f}x** | {before_cells} | {r['engine']:,.0f} | {r['raw']:,.0f} | "
-            f"{r['raw'] / r['pa']:.2f}x | {r['naive']:,.0f} |"
+            f"{r['raw'] / r['pa']:.2f}x | {r['naive']:,.0f} | {r['own']['score']:,.0f} ({r['own_c']['score']}) | "
+            f"**{r['own']['score'] / r['pa']:.2f}x** | {r['own']['raw']:,.0f} ({r['own_c']['raw']}) | "
+            f"{r['own']['raw'] / r['pa']:.2f}x |"
         )
     print()
     for r in results:
@@ -436,6 +461,10 @@ def main() -> int:
               "; now " + ", ".join(f"{v:,.0f}" for v in r["score_runs"]) +
               ("; before " + ", ".join(f"{v:,.0f}" for v in r["before_runs"]) if r["before_runs"] else "") +
               "; raw aio loop " + ", ".join(f"{v:,.0f}" for v in r["raw_runs"]) +
+              "; sweeps: " + "; ".join(f"{k} " + ", ".join(f"c={c} {v:,.0f}" for c, v in sw.items())
+                                       for k, sw in r["own_sweep"].items()) +
+              "; at their best c, per round: " + "; ".join(f"{k} " + ", ".join(f"{v:,.0f}" for v in runs)
+                                                       for k, runs in r["own_runs"].items()) +
               "; client CPU per request (all threads, median): " +
               ", ".join(f"{k} {v:,.0f} us" for k, v in r["cpu"].items()))
     print()
