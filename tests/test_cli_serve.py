@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from _procs import living
 from test_local import GOOD_MODEL, SLOW_LOAD_MODEL, SLOW_UNLOAD_MODEL, _write_model
 
 from triton_npu_client import cli
@@ -161,22 +162,6 @@ def test_from_the_shell_a_mistake_is_one_line(tripwire: Path, repo: Path) -> Non
     assert not tripwire.exists()
 
 
-def _living(marker: str) -> list[int]:
-    """Living (not zombie) processes whose command line holds ``marker``: the server's and its stubs'."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 class Serving:
     """A running `triton-npu serve`: its stdout read line by line as it comes."""
 
@@ -244,7 +229,7 @@ def test_models_loads_only_those_reports_each_and_ctrl_c_exits_130(repo: Path) -
     text = "".join(s.lines)
     assert text.index("  loaded   echo") < text.index("tritonserver ready")
     assert "loaded   other" not in text
-    assert _living(str(repo)) == []
+    assert living(str(repo)) == []
     assert _temp_folders_of(s.proc.pid) == []
 
 
@@ -259,14 +244,14 @@ def test_a_signal_during_the_start_stops_within_5_s(tmp_path: Path, signum: sign
     with serving("--model-repository", str(repository), *FREE_PORTS) as s:
         s.until(r"^  loaded   echo ")
         assert any(b"slow/1/model.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                   for pid in _living(str(repository))), "slow's stub is not loading"  # fmt: skip
+                   for pid in living(str(repository))), "slow's stub is not loading"  # fmt: skip
         got, took, err = s.stop_with(signum)
     print(f"{signum.name} during the start: exit {got} after {took:.2f} s")
     assert got == code, err
     assert took < STOP_WITHIN_S, took
     assert "Traceback" not in err
     assert "tritonserver ready" not in "".join(s.lines)
-    assert _living(str(repository)) == []
+    assert living(str(repository)) == []
     assert _temp_folders_of(s.proc.pid) == []
 
 
@@ -284,7 +269,7 @@ def test_a_second_ctrl_c_kills_a_server_that_takes_its_time_to_stop(tmp_path: Pa
     print(f"the second SIGINT: exit {code} after {took:.2f} s")
     assert code == 130, err
     assert took < STOP_WITHIN_S, took
-    assert _living(str(repository)) == []
+    assert living(str(repository)) == []
     assert _temp_folders_of(s.proc.pid) == []
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _procs import living
 
 import triton_npu_client as tnc
 from triton_npu_client import cli
@@ -285,16 +286,16 @@ def test_server_dies_with_its_parent(tmp_path: Path) -> None:
             pid_text, folder, names = parent.stdout.readline().split()
             server_pid, workdir, regions = int(pid_text), Path(folder), names.split(",")
             marker = str(workdir).encode()
-            assert server_pid in _live_with(marker)
+            assert server_pid in living(marker)
             parent.kill()
             parent.wait()
             deadline = time.monotonic() + 60
-            while _live_with(marker) and time.monotonic() < deadline:
+            while living(marker) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert _live_with(marker) == []
+            assert living(marker) == []
         finally:
             # The holder never ran its cleanup: its temp folder (and, on failure, its group) is ours to remove.
-            if server_pid and _live_with(str(workdir).encode()):
+            if server_pid and living(str(workdir).encode()):
                 os.killpg(server_pid, signal.SIGKILL)
             if workdir.name.startswith(_local.TEMP_PREFIX):
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -302,22 +303,6 @@ def test_server_dies_with_its_parent(tmp_path: Path) -> None:
             for name in regions:
                 with contextlib.suppress(OSError):
                     os.unlink(f"/dev/shm/{name}")
-
-
-def _live_with(marker: bytes) -> list[int]:
-    """PIDs of living (not zombie) processes whose command line holds ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if marker in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 FINALIZE_MARKS_MODEL = """
@@ -544,7 +529,7 @@ def test_the_stubs_of_a_server_found_dead_are_killed(tmp_path: Path, finds: str)
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             # Without the kill the stub would stay (its loop runs for hours): this wait would run out.
-            while set(_live_with(str(tmp_path / "repo").encode())) & stubs:
+            while set(living(str(tmp_path / "repo").encode())) & stubs:
                 assert time.monotonic() < deadline, "the stub outlived its dead server"
                 time.sleep(0.01)
         began = time.monotonic()
@@ -557,7 +542,7 @@ def test_the_stubs_of_a_server_found_dead_are_killed(tmp_path: Path, finds: str)
         request.wait()
         if server.log_path is not None:  # the log LocalTriton keeps for a server that died on its own
             shutil.rmtree(server.log_path.parent, ignore_errors=True)
-    assert set(_live_with(str(tmp_path / "repo").encode())) & stubs == set()
+    assert set(living(str(tmp_path / "repo").encode())) & stubs == set()
     assert server.processes() == []
     assert stopping_s < 5.0, stopping_s  # not the 30 s grace
 

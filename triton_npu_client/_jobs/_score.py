@@ -461,19 +461,6 @@ class _Sender:
             ) from err
 
 
-def _job_size(
-    model: Model,
-    batch_size: int | None,
-    concurrency: int,
-    outputs: Sequence[str] | None,
-    output_format: str | None = None,
-    keep: Sequence[str] = (),
-) -> int:
-    """The rows per request; refuses a model or options a scoring job cannot use (see :func:`check_model`)."""
-    return check_model(model.spec, batch_size=batch_size, concurrency=concurrency, outputs=outputs,
-                       output_format=output_format, keep=keep)
-
-
 async def _score_chunks(
     model: Model,
     chunks: AsyncIterator[_Chunk],
@@ -543,7 +530,7 @@ class _Options:
         )
 
     def size(self, model: Model) -> int:
-        return _job_size(model, self.batch_size, self.concurrency, self.outputs)
+        return check_model(model.spec, batch_size=self.batch_size, concurrency=self.concurrency, outputs=self.outputs)
 
 
 async def score_rows(
@@ -666,7 +653,8 @@ async def score(
     spec = model.spec
     keep = tuple(keep)
     # Before any file is opened: the model and options a job cannot use, a .npy output for several outputs.
-    size = _job_size(model, batch_size, concurrency, outputs, output_format_of(output, output_format), keep)
+    size = check_model(model.spec, batch_size=batch_size, concurrency=concurrency, outputs=outputs,
+                       output_format=output_format_of(output, output_format), keep=keep)
     in_memory = not isinstance(source, str | os.PathLike)
     plan = plan_job(
         None if in_memory else source,  # type: ignore[arg-type]

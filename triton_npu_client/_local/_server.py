@@ -177,7 +177,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _running_from(folder: Path) -> list[int]:
-    """This user's processes whose command line runs something inside ``folder`` (a stub from its backend copy)."""
+    """This user's living processes whose command line runs something inside ``folder`` (a server given its
+    backend copy there, a stub from that copy), sorted. Zombies (state Z) are already dead: they only wait for
+    their parent to reap them."""
     inside = f"{folder}/".encode()
     found: list[int] = []
     for entry in Path("/proc").iterdir():
@@ -186,11 +188,12 @@ def _running_from(folder: Path) -> list[int]:
         try:
             if entry.stat().st_uid != os.getuid():
                 continue
-            if inside in (entry / "cmdline").read_bytes():
+            running = inside in (entry / "cmdline").read_bytes()
+            if running and (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
                 found.append(int(entry.name))
         except OSError:
             continue  # gone meanwhile, or not ours to read
-    return found
+    return sorted(found)
 
 
 def sweep_leftovers(folder: str | os.PathLike[str] | None = None) -> list[Path]:
@@ -488,20 +491,7 @@ class LocalTriton:
         """PIDs of every process started for this server (server and stubs) still alive."""
         if self._workdir is None:
             return []
-        marker = str(self._workdir).encode()
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # Zombies (state Z) are already dead; they only wait for their parent to reap them.
-            if marker in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":
-                found.append(int(entry.name))
-        return sorted(found)
+        return _running_from(self._workdir)
 
     def _note_regions(self) -> None:
         """Record the backend's shared-memory regions the server's processes map now (read from /proc)."""
