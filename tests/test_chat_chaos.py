@@ -292,13 +292,13 @@ async def run_once(client: Client, seed: int) -> Tally:
 
 @pytest.fixture(scope="module")
 def chat_server() -> Iterator[LocalTriton]:
-    """A server of this file's own with the three chat models, fresh as in a one-process run.
+    """A server of this file's own with the three chat models.
 
-    Once (1 run in 4 with two test workers, this test placed last on a session server that had served half the
-    suite) Triton 2.51 aborted under it: ``GRPC_CALL_ERROR_TOO_MANY_OPERATIONS`` in its stream handler, right after
-    a burst of "sequence ... has a conflict" warnings (a START on an id whose uncommitted first turn was cancelled
-    or refused, as this script does on purpose). A server of its own keeps such a crash from failing every later
-    test of the worker, and gives the test the fresh server it always passed on (docs/triton-facts.md).
+    Triton 2.51 has crashed under this script (SIGABRT with ``GRPC_CALL_ERROR_TOO_MANY_OPERATIONS`` in its stream
+    handler, and SIGSEGV), each time right after a burst of "sequence ... has a conflict" warnings: a START on an
+    id whose uncommitted first turn was cancelled or refused, as this script does on purpose. Seen in 2 of 6 full
+    runs with two test workers, never in one process (docs/triton-facts.md). A server of its own keeps such a
+    crash to this test instead of failing every later test that shares the session's server.
     """
     server = LocalTriton(model_control_mode="explicit", load_models=["chat", "chat_small", "chat_stateless"],
                          stop_grace_s=0)  # fmt: skip
