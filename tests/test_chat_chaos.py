@@ -292,18 +292,24 @@ async def run_once(client: Client, seed: int) -> Tally:
 
 @pytest.fixture(scope="module")
 def chat_server() -> Iterator[LocalTriton]:
-    """A server of this file's own with the three chat models.
+    """A server of this file's own with the three chat models, which must live through the script.
 
-    Triton 2.51 has crashed under this script (SIGABRT with ``GRPC_CALL_ERROR_TOO_MANY_OPERATIONS`` in its stream
-    handler, and SIGSEGV), each time right after a burst of "sequence ... has a conflict" warnings: a START on an
-    id whose uncommitted first turn was cancelled or refused, as this script does on purpose. Seen in 2 of 6 full
-    runs with two test workers, never in one process (docs/triton-facts.md). A server of its own keeps such a
-    crash to this test instead of failing every later test that shares the session's server.
+    Triton 2.51 crashes (SIGSEGV; SIGABRT with ``GRPC_CALL_ERROR_TOO_MANY_OPERATIONS``, "double free") when a
+    client's cancellation of a gRPC call races the responses it writes or its own end of the call: before the
+    chat client stopped turns with a CANCEL request and let finished or refused calls end on the server's side,
+    this script crashed it in about one run of three (one in two with only cancels and 10 MB refusals). A
+    crash here fails the test (its turns fail with ServerUnavailable); a server of its own keeps that to this test.
+    Nor may the script ever START an id Triton still holds ("has a conflict" in the log: Triton then ends the
+    old sequence early, a path under which 2.51 has also lost requests).
     """
     server = LocalTriton(model_control_mode="explicit", load_models=["chat", "chat_small", "chat_stateless"],
                          stop_grace_s=0)  # fmt: skip
     with server:
         yield server
+        assert server.log_path is not None
+        log = server.log_path.read_text(errors="replace")
+        assert "has a conflict" not in log, [line for line in log.splitlines() if "has a conflict" in line][:5]
+        assert server.is_running, "tritonserver died under the chaos script:\n" + log[-3000:]
     assert server.processes() == []
 
 

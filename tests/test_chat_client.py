@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
+import grpc
 import numpy as np
 import pytest
 
 from triton_npu_client import (
+    Call,
     ChatBusyError,
     ChatHistoryMismatch,
     ChatMessage,
@@ -37,9 +39,11 @@ from triton_npu_client import (
     SequenceUsageError,
     UsageError,
 )
+from triton_npu_client._call import Caller
 from triton_npu_client._protocol import EMPTY, history_digest
 from triton_npu_client._sessions import _chat as chat_module
 from triton_npu_client._sessions._chat import PieceDecoder, as_messages
+from triton_npu_client._transport._stream import OwnStreamCall
 
 MODEL = "chat"
 SYSTEM = "You are a helpful assistant."
@@ -525,6 +529,13 @@ async def test_a_lost_conversation_raises_sequence_lost(client: Client) -> None:
 # --- timeouts, closing mid-turn, the history digest, replay on loss ---------------------------------
 
 
+def conflicts(server: LocalTriton) -> int:
+    """How many times the server's log says a START met a sequence still in progress ("has a conflict"): Triton
+    then ends the old one early, the path under which 2.51 has lost requests and crashed. A client never goes there."""
+    assert server.log_path is not None
+    return server.log_path.read_text(errors="replace").count("has a conflict")
+
+
 async def live(client: Client) -> int:
     """Conversations the chat model holds, counting the probe that asks (a one-token turn of its own)."""
     model = await client.model(MODEL)
@@ -621,13 +632,16 @@ async def test_a_turn_that_times_out_is_rolled_back_and_the_chat_goes_on(client:
     assert (after.text, after.context_tokens) == (expected.text, expected.context_tokens)
 
 
-async def test_a_first_turn_that_times_out_leaves_the_chat_usable(client: Client) -> None:
-    """Even the first turn (which carries the system message and START): the next turn sends them again."""
+async def test_a_first_turn_that_times_out_leaves_the_chat_usable(client: Client, triton_server: LocalTriton) -> None:
+    """Even the first turn (which carries the system message and START): the next turn sends them again, after an
+    END alone that frees the id the timed-out START may still hold on the server (no conflict in its log)."""
+    before = conflicts(triton_server)
     async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as chat:
         with pytest.raises(RequestTimeout):
             await chat.ask("Tell me a very long story.", timeout_s=SHORT_TIMEOUT_S, **LONG)
         assert (chat.messages, chat.turns, chat.is_lost) == ((ChatMessage("system", SYSTEM),), 0, False)
         reply = await chat.ask("What is your name?")
+    assert conflicts(triton_server) == before
     async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as clean:
         expected = await clean.ask("What is your name?")
     assert (reply.text, reply.context_tokens) == (expected.text, expected.context_tokens)
@@ -638,9 +652,13 @@ async def test_a_first_turn_that_times_out_leaves_the_chat_usable(client: Client
     [("x" * 1_000_000, {}), ("Hello.", {"stop": ["y" * 10_000] * 200})],
     ids=["message-over-the-cap", "stop-strings-over-the-cap"],
 )
-async def test_a_refused_first_turn_leaves_the_chat_usable(client: Client, refused: str, options: Any) -> None:
+async def test_a_refused_first_turn_leaves_the_chat_usable(
+    client: Client, triton_server: LocalTriton, refused: str, options: Any
+) -> None:
     """A first turn the server refuses (an input over its caps) left no conversation there: the next turn starts
-    it again (START, with the system message), instead of being told the conversation is unknown."""
+    it again (START, with the system message), instead of being told the conversation is unknown; Triton's
+    sequence batcher held the id all the same, so END alone goes first and its log shows no conflict."""
+    before = conflicts(triton_server)
     async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as chat:
         with pytest.raises(InvalidArgumentError):
             await chat.ask(refused, **options)
@@ -650,9 +668,67 @@ async def test_a_refused_first_turn_leaves_the_chat_usable(client: Client, refus
         with pytest.raises(InvalidArgumentError):
             await chat.ask(refused, **options)
         after = await chat.ask("Where do you live?")
+    assert conflicts(triton_server) == before
     async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as clean:
         expected = [await clean.ask("What is your name?"), await clean.ask("Where do you live?")]
     assert [(r.text, r.context_tokens) for r in (reply, after)] == [(r.text, r.context_tokens) for r in expected]
+
+
+@pytest.mark.parametrize("how", ["break", "cancel", "timeout"])
+async def test_a_turn_cut_short_is_stopped_by_the_model_not_by_cancelling_its_call(
+    client: Client, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Leaving a turn's loop, cancelling its reader or its timeout: the chat sends CANCEL, the model ends the turn
+    (rolled back) and the turn's gRPC call ends on the server's side with OK. No call is cancelled by the client
+    (Triton 2.51 crashes when such a cancellation races the responses it writes), and the chat goes on exactly."""
+    calls: list[OwnStreamCall] = []
+    model = await client.model(MODEL)
+    real = Caller.call
+
+    def spy(caller: Caller, call: Call) -> Any:
+        responses = real(caller, call)
+        if isinstance(responses, OwnStreamCall):
+            calls.append(responses)
+        return responses
+
+    monkeypatch.setattr(Caller, "call", spy)
+    baseline = await live(client)
+    async with model.chat(system=SYSTEM, max_tokens=12) as chat:
+        await chat.ask("Good morning.")
+        before = chat.messages
+        if how == "break":
+            async with contextlib.aclosing(chat.send("Tell me a very long story.", **LONG)) as pieces:
+                async for _ in pieces:
+                    break
+        elif how == "cancel":
+            streaming = asyncio.Event()
+
+            async def read() -> None:
+                async for _ in chat.send("Tell me a very long story.", **LONG):
+                    streaming.set()
+
+            task = asyncio.create_task(read())
+            await streaming.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(RequestTimeout, match="stopped"):
+                await chat.ask("Tell me a very long story.", timeout_s=SHORT_TIMEOUT_S, **LONG)
+        assert (chat.messages, chat.turns, chat.is_lost) == (before, 1, False)
+        turn_call, stop_call = calls[1], calls[2]  # the turn cut short, then its CANCEL request
+        for call in (turn_call, stop_call):
+            assert call._call is not None
+            assert call._call.done()
+            assert not call._call.cancelled()
+            assert await call._call.code() == grpc.StatusCode.OK
+        after = await chat.ask("What is your name?")
+    assert await live(client) == baseline
+    assert not any(c._call is not None and c._call.cancelled() for c in calls)
+    async with client.chat(MODEL, system=SYSTEM, max_tokens=12) as clean:
+        await clean.ask("Good morning.")
+        expected = await clean.ask("What is your name?")
+    assert (after.text, after.context_tokens) == (expected.text, expected.context_tokens)
 
 
 async def test_a_plain_sequence_step_that_times_out_still_loses_the_sequence(client: Client) -> None:

@@ -221,6 +221,41 @@ def test_a_cancelled_stream_stops_at_the_next_pass_and_the_others_go_on() -> Non
     assert loop.cancelled == 1
 
 
+def test_cancel_stops_a_sequences_stream_as_its_cancelled_request_would() -> None:
+    """loop.cancel(key) (a client's CANCEL request): that stream ends at the next pass as cancelled, with an
+    empty FINAL (its call ends normally), though its sender never said cancelled; the other stream goes on, and
+    cancelling a sequence with nothing streaming (or cancelled already) says so."""
+    model = Model()
+    loop = make_loop(model, start=False)
+    one, two = FakeSender(), FakeSender()
+    loop.submit(1, one, Job(100))
+    loop.submit(2, two, Job(4))
+    loop.run_pass()
+    assert loop.cancel(1) is True
+    assert loop.cancel(3) is False
+    loop.run_pass()
+    assert one.sent == [((1, 1), 0), (None, FINAL)]
+    assert not one.cancel
+    assert (1, "cancelled") in model.exits
+    assert loop.cancelled == 1
+    assert loop.cancel(1) is False  # ended: nothing left to stop
+    while loop.run_pass() is not None:
+        pass
+    assert two.responses == [(2, 1), (2, 2), (2, 3), (2, 4)]
+    assert all(1 not in keys for keys in model.batches[1:])
+
+
+def test_cancel_of_a_stream_not_admitted_yet_never_admits_it() -> None:
+    model = Model()
+    loop = make_loop(model, start=False)
+    one = FakeSender()
+    loop.submit(1, one, Job(5))
+    assert loop.cancel(1) is True
+    assert loop.run_pass() is None
+    assert one.sent == [(None, FINAL)]
+    assert model.batches == []
+
+
 def test_a_stream_cancelled_before_admission_is_never_admitted() -> None:
     """Cancelled while queued: counted, FINAL sent, and neither admit, step nor on_exit sees it."""
     model = Model()

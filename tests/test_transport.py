@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from triton_npu_client import Call, Client, ClientClosedError, LocalTriton, TransportError, UsageError
+from triton_npu_client import Call, Client, ClientClosedError, LocalTriton, TransportError, TritonError, UsageError
 from triton_npu_client._client._model import Model
 from triton_npu_client._transport import GrpcTransport
 from triton_npu_client._transport._grpc import DEFAULT_CHANNEL_OPTIONS
@@ -337,8 +337,28 @@ async def test_own_route_yields_every_response_then_stops(client: Client) -> Non
     assert got == [0, 1, 2, 3, 4]
     with pytest.raises(StopAsyncIteration):
         await anext(responses)
-    # Complete: the client does not cancel it; the server ends the call with OK on its own.
+    # Complete: the client does not cancel it; the server ends the call with OK on its own, and the loop stopped
+    # only once it had. (A call dropped before its end is cancelled by grpc when it is collected: Triton 2.51
+    # crashes when such a cancellation races its own end of the call.)
+    assert responses._call.done()
     assert await responses._call.code() == grpc.StatusCode.OK
+
+
+async def test_an_own_route_call_refused_by_the_model_ends_on_the_server_side(client: Client) -> None:
+    """A request the model refuses (its error is the last response) is not cancelled by the client: the server ends
+    the call with OK before the error is raised (cancelling there raced Triton 2.51's own end and crashed it)."""
+    model = await client.model("repeat_int32")
+    responses = client.transport.call(
+        Call(request=model.request(N=np.array([-1], np.int32)), route="own", many=True, timeout_s=SAFETY_NET_S)
+    )
+    assert isinstance(responses, OwnStreamCall)
+    with pytest.raises(TritonError, match="N must be >= 0, got -1"):
+        await anext(responses)
+    assert responses._call.done()
+    assert not responses._call.cancelled()
+    assert await responses._call.code() == grpc.StatusCode.OK
+    with pytest.raises(StopAsyncIteration):
+        await anext(responses)
 
 
 async def test_closing_an_own_route_call_early_cancels_it(client: Client) -> None:

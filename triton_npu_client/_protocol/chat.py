@@ -19,6 +19,11 @@ STOP = "STOP"  # strings the reply is cut before (BYTES, any count)
 STREAM_INTERVAL_MS = "STREAM_INTERVAL_MS"  # a model from before it lacks the input: the client checks first
 #: The history digest (``_digest``): an input with every turn but a START, and an output of a turn's last response.
 DIGEST = "DIGEST"
+#: A request of its own (BOOL true, no messages, neither START nor END) that stops the conversation's turn in flight:
+#: the turn ends as a cancelled one (rolled back; its call gets an empty final response and ends normally), and the
+#: request is answered by an empty final response. The client's way to stop a turn without cancelling its gRPC
+#: call: Triton 2.51 crashes when such a cancellation races the responses it is writing.
+CANCEL = "CANCEL"
 
 # -- outputs: each response's piece; the last response's finish reason and counts ---------------------------------
 PIECE = "PIECE"  # raw bytes that may split a UTF-8 character
@@ -37,7 +42,7 @@ REQUIRED_OUTPUTS = (PIECE, FINISH)
 #: The generation options' inputs, each optional: sent only when the option is set.
 OPTION_INPUTS = (MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STREAM_INTERVAL_MS)
 #: Every input and output the packaged chat model declares.
-INPUTS = (*REQUIRED_INPUTS, *OPTION_INPUTS, STOP, DIGEST)
+INPUTS = (*REQUIRED_INPUTS, *OPTION_INPUTS, STOP, DIGEST, CANCEL)
 OUTPUTS = (*REQUIRED_OUTPUTS, TOKENS, PROMPT_TOKENS, CONTEXT_TOKENS, DROPPED, LIVE, KV_BYTES, DIGEST, INPUT_TOKENS)
 
 #: The longest stream interval the server takes: the client refuses a longer one before sending.

@@ -877,11 +877,15 @@ class ChatSession:
             while True:
                 self._seq._trace_parent = span  # the step's span hangs under the turn's
                 try:
-                    async for text in self._attempt(user, options, timeout_s, started, replayed=replayed):
-                        if not yielded and span is not None:
-                            span.set_first_response()
-                        yielded = True
-                        yield text
+                    # Closed here, at once, when this turn is closed: left to the collector, the attempt (and its
+                    # step, still holding the session) would end in a task of its own some time later.
+                    attempt = self._attempt(user, options, timeout_s, started, replayed=replayed)
+                    async with contextlib.aclosing(attempt):
+                        async for text in attempt:
+                            if not yielded and span is not None:
+                                span.set_first_response()
+                            yielded = True
+                            yield text
                     break
                 except SequenceLost:
                     # Only a turn that showed nothing yet can start again elsewhere; once only.

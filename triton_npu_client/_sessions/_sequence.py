@@ -19,6 +19,10 @@
   without computing a step); otherwise it re-sends the last step's inputs and its answer is discarded. A session
   that *adopts* a sequence the server already holds (a resumed chat) never sends START and ENDs it at the close
   even without a step of its own; one *detached* (a chat's ``detach()``) sends nothing more, END included.
+  A START that nothing answered (refused, cancelled, timed out) may leave the id held by Triton's sequence
+  batcher: before START goes out on it again the session sends END alone (and a closing request carries no
+  START), because a START on a held id is Triton's "conflict, terminated early" path, under which 2.51 loses
+  requests and has crashed.
 - **Losses** are judged in one place (``_errors/_classify.judge_step``), the same over every path:
   :class:`SequenceLost` only when the server dropped the sequence or a step's outcome is unknown; any other
   failure is that step's own error, the session goes on, and END is still sent at the close.
@@ -46,6 +50,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from types import TracebackType
 from typing import Final, Protocol, Self
 
+import numpy as np
+
 from .._call import USE_CLIENT_DEFAULT, Call, Caller, OnSend, Responses, Route, UseClientDefault
 from .._errors import (
     RequestTimeout,
@@ -58,6 +64,7 @@ from .._errors import (
     judge_step,
 )
 from .._model import ModelSpec, Plans, build_request
+from .._protocol.chat import CANCEL
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
 from .._trace import start as start_span
@@ -80,6 +87,10 @@ DEFAULT_END_TIMEOUT_S: Final = 5.0
 
 # Closing requests still in flight after their caller was cancelled: held here so they are not collected.
 _CLOSING: set[asyncio.Task[None]] = set()
+# How long stopping a cut-short rolled-back step may take (the CANCEL request, then the step's last response)
+# before its call is cancelled after all.
+_STOP_GRACE_S: Final = 2.0
+_TRUE: Final = np.array([True])
 
 
 class SessionTarget(Protocol):
@@ -268,6 +279,8 @@ class SequenceSession:
         self._idle_timeout_s = spec.sequence.idle_timeout_us / 1e6
         # END with no inputs frees the state without a step, when the model allows requests without inputs.
         self._end_only = all(t.optional for t in spec.inputs)
+        # A decoupled model that takes CANCEL stops a rolled-back step when asked (see _stop_step).
+        self._cancel_input = spec.decoupled and spec.input(CANCEL) is not None
 
     def _start_state(self) -> None:
         self._lock = asyncio.Lock()
@@ -289,6 +302,11 @@ class SequenceSession:
         # another process): no step carries START, and closing sends END even before this session sent a step.
         self._adopted = False
         self._detached = False  # let go of without END (_detach): closing sends nothing
+        # A START went out and nothing answered it (the model refused it, or it was cancelled or timed out): Triton's
+        # sequence batcher may still hold the id. A second START on a held id takes Triton 2.51's "conflict ...
+        # terminated early" path, under which it has lost requests (a client waits forever) and crashed (SIGABRT,
+        # SIGSEGV); so such an id gets END alone first (_release_start), and a closing request carries no START.
+        self._start_unanswered = False
 
     def __repr__(self) -> str:
         state = "lost" if self._loss is not None else "ended" if self._ended else "open"
@@ -453,6 +471,10 @@ class SequenceSession:
         cancel (without it a timeout leaves the step's outcome unknown: the session is lost); a step refused
         before any response is not counted as acknowledged (a refused first step leaves no state, so the next
         one carries START again). Closing the session while such a step streams cancels it and sends END at once.
+        On a decoupled model that declares ``CANCEL`` (the chat models) such a step is never cancelled by
+        cancelling its call when it is cut short (loop left, task cancelled, timeout): a CANCEL request asks the
+        model to end it, and its call is read to its end (:meth:`_stop_step`), because Triton 2.51 crashes when a
+        cancellation races the responses it writes; the step's timeout is then kept by the session.
         """
         await self._bind()
         request = self._build(inputs, named)
@@ -462,11 +484,24 @@ class SequenceSession:
             async with self._lock:
                 self._refuse()
                 start = self._starts_next
+                if start and self._start_unanswered:
+                    await self._release_start()
                 decoupled = self._spec.decoupled
+                step_timeout_s = timeout_s or self._timeout_s
+                # A rolled-back step on a model that takes CANCEL is stopped by asking the model (_stop_step), never
+                # by cancelling its gRPC call, which Triton 2.51 crashes on when the cancellation races the
+                # responses it writes. So its reads run shielded (a cancellation of this task reaches this code,
+                # not the call) and its timeout is kept here; the call's own deadline is only a safety net.
+                cooperative = rolled_back and self._cancel_input
+                deadline = None
+                call_timeout_s = step_timeout_s
+                if cooperative and step_timeout_s is not None:
+                    deadline = asyncio.get_running_loop().time() + step_timeout_s
+                    call_timeout_s = step_timeout_s + 2 * _STOP_GRACE_S
                 token = span.attach() if span is not None else None  # never across a yield: the send only
                 try:
                     responses = self._send(
-                        request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
+                        request, start=start, end=end, timeout_s=call_timeout_s,
                         route="own" if decoupled else self._route, many=decoupled,
                     )
                 finally:
@@ -476,9 +511,26 @@ class SequenceSession:
                     self._rolled_back_call = responses
                 answered = False
                 finished = False
+                over = False  # the call's answer ended (its last response, an error): nothing left to stop
+                pending: asyncio.Future[InferResult] | None = None
+                results = responses if span is None else span.iterate(responses)
                 try:
                     try:
-                        async for result in responses if span is None else span.iterate(responses):
+                        while True:
+                            try:
+                                if cooperative:
+                                    pending = asyncio.ensure_future(anext(results))
+                                    async with asyncio.timeout_at(deadline):
+                                        result = await asyncio.shield(pending)
+                                    pending = None
+                                else:
+                                    result = await anext(results)
+                            except StopAsyncIteration:
+                                over = True
+                                break
+                            except TritonError:
+                                over = True
+                                raise
                             if not answered:
                                 answered = True
                                 self._acknowledged(end=False)
@@ -486,6 +538,20 @@ class SequenceSession:
                     except asyncio.CancelledError:
                         if not self._closed_by_aclose(responses):
                             raise
+                        over = True  # the closer cancelled the call
+                    except TimeoutError as err:
+                        if isinstance(err, TritonError):
+                            raise
+                        # This step's own deadline (cooperative steps only): stopped and rolled back, as a cancel.
+                        await self._stop_step(results, pending)
+                        over = True
+                        raise RequestTimeout(
+                            f"model {self._spec.name!r}: no answer within {step_timeout_s} s on sequence "
+                            f"{self._id!r}; the step was stopped (rolled back)",
+                            model=self._spec.name,
+                            status="DEADLINE_EXCEEDED",
+                            sequence_id=self._id,
+                        ) from None
                     if self._closed_under is responses:
                         raise self._closed_while_streaming() from None
                     finished = True
@@ -501,8 +567,11 @@ class SequenceSession:
                 finally:
                     if self._rolled_back_call is responses:
                         self._rolled_back_call = None
-                    # Cut short (cancelled, or the loop left early): closing cancels the call on the server. An END
-                    # step cut short may not have been applied, so _needs_end stays set and the close re-sends END.
+                    if cooperative and not over:
+                        await self._stop_step(results, pending)  # cut short: the model stops the step
+                    # Cut short (cancelled, or the loop left early): closing cancels the call on the server unless
+                    # its answer is over. An END step cut short may not have been applied, so _needs_end stays set
+                    # and the close re-sends END.
                     await responses.aclose()
                     if finished:
                         if not answered:
@@ -515,6 +584,39 @@ class SequenceSession:
             raise
         if span is not None:
             span.finish()
+
+    async def _stop_step(
+        self, results: AsyncIterator[InferResult], pending: asyncio.Future[InferResult] | None
+    ) -> None:
+        """Stop a rolled-back step that was cut short without cancelling its call (bounded, best effort): a CANCEL
+        request of its own asks the model to end the step, then the step's call is read to its end (its last
+        response, which the model sends at once). If that does not happen within the grace, the caller's aclose()
+        cancels the call after all. A second cancellation of this task cuts it short the same way."""
+        try:
+            async with asyncio.timeout(_STOP_GRACE_S):
+                stop = self._caller.call(
+                    Call(
+                        request=build_request(self._spec, {CANCEL: _TRUE}, None),
+                        timeout_s=_STOP_GRACE_S,
+                        route="own",
+                        many=True,
+                        sequence_id=self._id,
+                    )
+                )
+                async for _ in stop:
+                    pass
+                if pending is not None:
+                    try:
+                        await pending
+                    except StopAsyncIteration:
+                        return
+                async for _ in results:
+                    pass  # what the step sent before it stopped: nobody reads it now
+        except (TritonError, TimeoutError) as err:
+            _log.debug("stopping a step of sequence %r: %s (its call is cancelled instead)", self._id, err)
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
 
     def _closed_by_aclose(self, responses: Responses) -> bool:
         """Whether a cancellation that reached a step's reader came from aclose() cancelling the step's call,
@@ -555,6 +657,8 @@ class SequenceSession:
         self._ended = end
         self._last_request = request
         self._needs_end = True
+        if start:
+            self._start_unanswered = True
         return self._caller.call(
             Call(
                 request=request,
@@ -590,6 +694,8 @@ class SequenceSession:
             async with self._lock:
                 self._refuse()  # the state may have changed while this caller queued
                 start = self._starts_next
+                if start and self._start_unanswered:
+                    await self._release_start()
                 responses = self._send(
                     request, start=start, end=end, timeout_s=timeout_s or self._timeout_s,
                     route=self._route, many=self._spec.decoupled,
@@ -626,6 +732,7 @@ class SequenceSession:
 
     def _acknowledged(self, *, end: bool) -> None:
         self._acked += 1
+        self._start_unanswered = False
         if end:
             self._needs_end = False
         self._last_answer_at = asyncio.get_running_loop().time()
@@ -717,25 +824,44 @@ class SequenceSession:
                     # (Not behind a cancelled rolled_back step: its reader may never resume to release the lock.
                     # Steps queued behind it see the session ended and send nothing.)
                     await stack.enter_async_context(self._lock)
-                # Nothing acknowledged yet: START+END resets and frees whatever reached the server.
-                route: Route = self._route
-                responses = self._caller.call(
-                    Call(
-                        request=request,
-                        timeout_s=self._end_timeout_s,
-                        route=route,
-                        many=self._spec.decoupled,
-                        sequence_id=self._id,
-                        sequence_start=self._starts_next,
-                        sequence_end=True,
-                    )
-                )
-                async for _ in responses:
-                    pass
+                # Nothing sent yet: START+END resets and frees whatever reached the server. A START sent and not
+                # answered may hold the id on the server: END alone (refused harmlessly if it does not).
+                await self._send_end(request, start=self._starts_next and not self._start_unanswered)
         except (TritonError, TimeoutError) as err:
             # Sent once: a refused END is not retried (Triton ends the sequence on END whatever the model answers,
             # so a second END would only be told to START).
             _log.debug("closing request of sequence %r failed (best effort): %s", self._id, err)
+
+    async def _send_end(self, request: InferRequest, *, start: bool) -> None:
+        responses = self._caller.call(
+            Call(
+                request=request,
+                timeout_s=self._end_timeout_s,
+                route=self._route,
+                many=self._spec.decoupled,
+                sequence_id=self._id,
+                sequence_start=start,
+                sequence_end=True,
+            )
+        )
+        async for _ in responses:
+            pass
+
+    async def _release_start(self) -> None:
+        """END alone on this id before its START goes out again (under the step lock; bounded, best effort).
+
+        The earlier START was not answered, so Triton may hold the id: this END frees it (the model frees whatever
+        it kept; a refused first step kept nothing). If Triton does not hold it, the END is refused as a step
+        without START, which changes nothing. Either way the next START meets no sequence in progress.
+        """
+        last = self._last_request
+        request = build_request(self._spec, None, None) if self._end_only or last is None else last
+        try:
+            async with asyncio.timeout(self._end_timeout_s):
+                await self._send_end(request, start=False)
+        except (TritonError, TimeoutError) as err:
+            _log.debug("END before a second START on sequence %r: %s (expected when nothing was held)", self._id, err)
+        self._start_unanswered = False
 
     async def __aenter__(self) -> Self:
         await self._bind()

@@ -55,6 +55,9 @@ _END_OF_REQUESTS: Final = object()
 
 DEFAULT_MAX_PENDING: Final = 8192
 _SEND_QUEUE: Final = 256
+# How long a call whose answer is over (an error response, Triton's last for that request) may take to end on its own
+# before it is cancelled after all.
+_SETTLE_S: Final = 2.0
 MAX_BUFFERED_RESPONSES: Final = 4096
 
 
@@ -709,6 +712,7 @@ class OwnStreamCall:
 
     async def __anext__(self) -> InferResult:
         if self._done:
+            await self._settle()
             raise StopAsyncIteration
         call = self._call if self._call is not None else self._open()
         try:
@@ -743,7 +747,11 @@ class OwnStreamCall:
                 )
             raise StopAsyncIteration
         if message.error_message:
-            self._finish()
+            # The request is over (the server sends an error as its last response) and Triton ends the call by
+            # itself. Cancelling it now would race that end: Triton 2.51 then crashes (SIGSEGV, or SIGABRT with
+            # GRPC_CALL_ERROR_TOO_MANY_OPERATIONS), its known cancellation race, seen within seconds under
+            # tests/test_chat_chaos.py, whose refused turns did exactly that.
+            await self._settle()
             if self._past_deadline():
                 raise self._timed_out(message.error_message)
             raise map_stream_error(
@@ -757,8 +765,32 @@ class OwnStreamCall:
         return InferResult.from_grpc(response)
 
     async def aclose(self) -> None:
-        """Cancel the call if it still runs (the server sees the cancellation)."""
-        self._finish()
+        """Cancel the call if its answer is not over (the server sees the cancellation); else let it end."""
+        if self._done:
+            await self._settle()
+        else:
+            self._finish()
+
+    async def _settle(self) -> None:
+        """Done reading an answer that is over: let the server end the call (read to its end, bounded); cancel it
+        only if it does not end in time, or if this task is cancelled meanwhile.
+
+        Not cancelling matters even after the final response: a call dropped before it has ended is cancelled by
+        grpc when it is collected, which races Triton's own end of the call (the crash described above).
+        """
+        self._done = True
+        call = self._call
+        if call is None or call.done():
+            return
+        try:
+            async with asyncio.timeout(_SETTLE_S):
+                while await call.read() is not grpc.aio.EOF:
+                    pass  # what a misbehaving model sends after its error is not this request's answer
+        except (grpc.aio.AioRpcError, TimeoutError):
+            pass
+        finally:
+            if not call.done():
+                call.cancel()
 
     def _past_deadline(self) -> bool:
         return self._deadline is not None and asyncio.get_running_loop().time() >= self._deadline

@@ -78,7 +78,7 @@ class Stream(Generic[J]):
     not_before: float = 0.0
     checked_at: int = -1  # the pass at which its cancellation was last asked
     send_failed: bool = False  # a response could not be sent (set by the outbox thread)
-    cancel_seen: bool = False  # its request said it was cancelled (set by the watcher thread)
+    cancel_seen: bool = False  # its request said it was cancelled (set by the watcher thread, or cancel())
     check_queued: bool = False  # a cancellation check waits for the watcher thread
     finished: bool = False  # the loop ended it (set before its FINAL is sent)
 
@@ -258,6 +258,22 @@ class StepLoop(Generic[J]):
             self._pending.append(stream)
             self._cond.notify_all()
         return None
+
+    def cancel(self, key: CorrelationId) -> bool:
+        """Stop the stream of sequence ``key`` as if its request had been cancelled (``on_exit`` reason
+        ``"cancelled"``, then an empty response with FINAL, so its call ends normally); False if none runs.
+
+        A client's cooperative cancel: it asks for this with a request of its own instead of cancelling the
+        stream's gRPC call, whose cancellation races Triton 2.51's handler while responses are being written (the
+        crash docs/triton-facts.md describes). The loop acts on it at its next pass, woken at once.
+        """
+        with self._cond:
+            stream = self._busy.get(key)
+            if stream is None:
+                return False
+            stream.cancel_seen = True
+            self._cond.notify_all()
+        return True
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop: every unfinished stream gets an error with the FINAL flag; waits up to ``timeout_s`` for the thread."""

@@ -212,6 +212,12 @@ class ChatModel:
                         sender.send(flags=self._final)
                         continue
                     key, start, end = controls.correlation_id, controls.start, controls.end
+                    if not end and self._scalar(request, proto.CANCEL):
+                        # The client's cooperative cancel of the turn in flight (see proto.CANCEL): that turn ends
+                        # as a cancelled one (rolled back, an empty FINAL), and this request is answered at once.
+                        self._loop.cancel(key)
+                        sender.send(flags=self._final)
+                        continue
                 options = {name.lower(): self._scalar(request, name) for name in proto.OPTION_INPUTS}
                 turn = self.engine.parse(
                     key=key,
