@@ -64,7 +64,7 @@ from .._errors import (
     judge_step,
 )
 from .._model import ModelSpec, Plans, build_request
-from .._protocol.chat import CANCEL
+from .._protocol import chat as proto
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
 from .._trace import start as start_span
@@ -280,7 +280,7 @@ class SequenceSession:
         # END with no inputs frees the state without a step, when the model allows requests without inputs.
         self._end_only = all(t.optional for t in spec.inputs)
         # A decoupled model that takes CANCEL stops a rolled-back step when asked (see _stop_step).
-        self._cancel_input = spec.decoupled and spec.input(CANCEL) is not None
+        self._cancel_input = spec.decoupled and spec.input(proto.CANCEL) is not None
 
     def _start_state(self) -> None:
         self._lock = asyncio.Lock()
@@ -596,7 +596,7 @@ class SequenceSession:
             async with asyncio.timeout(_STOP_GRACE_S):
                 stop = self._caller.call(
                     Call(
-                        request=build_request(self._spec, {CANCEL: _TRUE}, None),
+                        request=build_request(self._spec, {proto.CANCEL: _TRUE}, None),
                         timeout_s=_STOP_GRACE_S,
                         route="own",
                         many=True,
