@@ -91,6 +91,7 @@ _CLOSING: set[asyncio.Task[None]] = set()
 # before its call is cancelled after all.
 _STOP_GRACE_S: Final = 2.0
 _TRUE: Final = np.array([True])
+_TRUE.flags.writeable = False  # one array for every session's CANCEL request: nobody may change it
 
 
 class SessionTarget(Protocol):
