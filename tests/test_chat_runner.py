@@ -14,7 +14,7 @@ import torch
 
 from tests._checkpoints import write_tiny_llama
 from triton_npu_client.server import DecodeBatch, ModelRunner, PagedKVCache, PrefillRow, RowSampling, load_decoder
-from triton_npu_client.server.chat._runner import BUCKETS, bucket
+from triton_npu_client.server.chat._runner import BUCKETS, CPU_COMPILE_OPTIONS, bucket
 from triton_npu_client.server.chat._sampling import SamplingFlags, exponential_noise, sample
 
 
@@ -93,7 +93,8 @@ def test_the_decode_pass_compiles_as_one_graph_with_equal_logits(model: Any) -> 
     runner.top_k[: len(tables)] = 5
     flags = SamplingFlags(sampled=True, filtered=True, min_tokens=True)
     logits, ids = runner.pass_outputs(rows, tables_t, keys, flags)
-    compiled = torch.compile(runner.pass_outputs, fullgraph=True, dynamic=False)
+    # With the runner's own inductor options (what compile_decode=cpu compiles with).
+    compiled = torch.compile(runner.pass_outputs, fullgraph=True, dynamic=False, options=dict(CPU_COMPILE_OPTIONS))
     got_logits, got_ids = compiled(rows, tables_t, keys, flags)
     assert torch.allclose(got_logits, logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_ids, ids)
