@@ -501,11 +501,16 @@ class TritonPythonModel:
 """
 
 
-@pytest.mark.parametrize("finds", ["is_running", "stop"])
+@pytest.mark.parametrize("finds", ["is_running", "stop", "stop, dying meanwhile"])
 def test_the_stubs_of_a_server_found_dead_are_killed(tmp_path: Path, finds: str) -> None:
     """The server is SIGKILLed while its stub executes a request (its owner, this process, lives on): the stub would
     stay, holding its model, since it can no longer exit. The first look that finds the server dead (is_running, or
-    stop()) kills it, and stop() then ends at once, with no grace to wait for a server that has gone."""
+    stop()) kills it, and stop() then ends at once, with no grace to wait for a server that has gone.
+
+    "stop, dying meanwhile": the server is still alive when stop() looks and sends SIGTERM, and dies right after (as
+    a SIGKILLed server does while the kernel tears it down: its sockets close before it can be reaped). The grace
+    ends as soon as the server has gone: nobody is left to drain the busy stub.
+    """
     mark = tmp_path / "busy"
     _write_model(tmp_path / "repo", "busy", GIL_BOUND_MODEL.replace("MARK", repr(str(mark))))
     server = tnc.LocalTriton(tmp_path / "repo", auto_complete_config=False, stop_grace_s=30.0).start()
@@ -522,8 +527,18 @@ def test_the_stubs_of_a_server_found_dead_are_killed(tmp_path: Path, finds: str)
         stubs = server._stubs()
         assert stubs, "no stub"
         assert server.pid is not None
-        os.kill(server.pid, signal.SIGKILL)
-        assert request.wait(timeout=60) != 0
+        pid = server.pid
+        if finds == "stop, dying meanwhile":
+            send_term = server._send_term
+
+            def term_then_die() -> None:
+                send_term()
+                os.kill(pid, signal.SIGKILL)
+
+            server._send_term = term_then_die  # type: ignore[method-assign]
+        else:
+            os.kill(pid, signal.SIGKILL)
+            assert request.wait(timeout=60) != 0
         if finds == "is_running":
             while server.is_running:  # until the kernel has made the server a zombie
                 assert time.monotonic() < deadline
@@ -535,6 +550,7 @@ def test_the_stubs_of_a_server_found_dead_are_killed(tmp_path: Path, finds: str)
         began = time.monotonic()
         server.stop()
         stopping_s = time.monotonic() - began
+        assert request.wait(timeout=60) != 0
     finally:
         server.stop()
         if request.poll() is None:

@@ -772,8 +772,8 @@ class LocalTriton:
         return set(self.processes()) - {self._proc.pid} if self._proc is not None else set()
 
     def _stopped(self, stubs_at_term: bool) -> bool:
-        """Whether stopping need not wait any longer: the group is gone, or (``stubs_at_term``: a ready server
-        that had stubs when it got SIGTERM) no stub is left.
+        """Whether stopping need not wait any longer: the group is gone, the server itself has exited, or
+        (``stubs_at_term``: a ready server that had stubs when it got SIGTERM) no stub is left.
 
         A stub exits once its model instance has finished its requests and run ``finalize``; Triton then only
         waits for its once-a-second shutdown poll and tears itself down, a second or two that the SIGKILL which
@@ -781,6 +781,11 @@ class LocalTriton:
         while models load), is waited for until it exits.
         """
         if not self._group_alive():
+            return True
+        if self._proc is not None and self._proc.poll() is not None:
+            # The server itself has gone (it died during the grace, or was dying when stop() found it alive: a
+            # SIGKILLed server's sockets close before the kernel lets it be reaped). Nobody is left to drain its
+            # stubs, and a busy one never exits: the SIGKILL that follows is all that is left to wait for.
             return True
         return stubs_at_term and not self._stubs()
 
