@@ -184,6 +184,18 @@ def test_score_bench_quick(triton_server: LocalTriton) -> None:
     assert re.search(r"^\| 4 \| [\d,.]+ \| [\d,.]+ \| [\d,]+ \| [\d,]+ \| \*\*[\d.]+x\*\* \|$", out, re.M), out
 
 
+def test_chat_turns_bench_quick() -> None:
+    """bench/chat_turns.py --quick: a row per way of sending a turn, each figure positive, and the ratio line."""
+    proc = _run(["bench/chat_turns.py", "--quick"], timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    row = r"^\| now \| (ChatSession\.send|seq\.stream) \| (\d+) \| ([\d.]+) \| ([\d,]+) \| [\d, ]+ \|$"
+    rows = re.findall(row, out, re.M)
+    assert sorted(how for how, *_ in rows) == ["ChatSession.send", "seq.stream"], out
+    assert all(float(v.replace(",", "")) > 0 for _, *figures in rows for v in figures)
+    assert re.search(r"ChatSession\.send vs seq\.stream, client CPU a token: \*\*[\d.]+x\*\*", out), out
+
+
 def test_chat_cache_bench_figures_and_verdicts(tmp_path: Path) -> None:
     """bench/chat_cache.py without a server: the slot formula is b1a3b0a's, the length mix has its mean, the
     generated entries take the parameters, and a ratio under its goal reads NOT met (bench/chat.py --no-cache
