@@ -3,10 +3,16 @@
 Run from the repository root::
 
     .venv/bin/python bench/chat_compile.py [--checkpoint DIR] [--rows 1,32] [--history 300] [--passes 50]
+        [--sampled] [--inductor-defaults] [--noise]
 
 Both runners decode the same rows in the same process on one torch thread (the compiled one is
 ``ModelRunner(compile="cpu")``: ``torch.compile(fullgraph=True)`` per batch bucket), alternating A/B over
 ``--repeats`` rounds; medians. The compile time is printed apart: it is paid once per bucket when a server meets it.
+
+``--sampled``: the rows sample (temperature 0.8, top-k 5, a seed each) instead of decoding greedily, so the pass
+carries the sampler and its hash. ``--inductor-defaults``: compile with inductor's own CPU options instead of the
+runner's ``CPU_COMPILE_OPTIONS`` (what the runner did before them). ``--noise``: also count the sampler's Exp(1)
+draws (``exponential_noise``) that a compiled graph gives differently from eager, for the rows and vocabulary used.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DEMO = Path(__file__).resolve().parents[1] / "server_models" / "chat" / "demo_gpt2"
 
 
-def make_runner(model: Any, rows: int, history: int, mode: str) -> tuple[Any, Any]:
-    """A runner with ``rows`` slots prefilled with ``history`` tokens each, and its decode batch (greedy)."""
+def make_runner(model: Any, rows: int, history: int, mode: str, sampled: bool = False) -> tuple[Any, Any]:
+    """A runner with ``rows`` slots prefilled with ``history`` tokens each, and its decode batch (greedy, or
+    ``sampled``: temperature 0.8, top-k 5, seed slot + 1)."""
     from triton_npu_client.server import DecodeBatch, ModelRunner, PagedKVCache, PrefillRow, RowSampling
     from triton_npu_client.server.chat._sampling import SamplingFlags
 
@@ -36,11 +43,13 @@ def make_runner(model: Any, rows: int, history: int, mode: str) -> tuple[Any, An
         table = cache.new_table()
         cache.reserve(table, 0, history + 1)
         ids = tuple((7 * slot + i) % model.vocab_size for i in range(history))
-        row = PrefillRow(slot=slot, blocks=tuple(table.blocks), start=0, ids=ids, sampling=RowSampling())
+        sampling = RowSampling(temperature=0.8, top_k=5, seed=slot + 1) if sampled else RowSampling()
+        row = PrefillRow(slot=slot, blocks=tuple(table.blocks), start=0, ids=ids, sampling=sampling)
         token = runner.prefill([row])[0]
         cache.commit(table, 0, list(ids))
         runner.join(row, token, table.blocks)
-    batch = DecodeBatch(slots=tuple(range(rows)), width=blocks_each, flags=SamplingFlags())
+    flags = SamplingFlags(sampled=True, filtered=True) if sampled else SamplingFlags()
+    batch = DecodeBatch(slots=tuple(range(rows)), width=blocks_each, flags=flags)
     return runner, batch
 
 
@@ -54,18 +63,22 @@ def time_passes(runner: Any, batch: Any, history: int, passes: int) -> float:
 
 
 def measure(
-    checkpoint: Path, rows_list: Sequence[int], history: int, passes: int, repeats: int
+    checkpoint: Path, rows_list: Sequence[int], history: int, passes: int, repeats: int, *, sampled: bool = False,
+    inductor_defaults: bool = False,
 ) -> list[dict[str, Any]]:
     import torch
 
     from triton_npu_client.server import load_decoder
+    from triton_npu_client.server.chat import _runner
 
     torch.set_num_threads(1)
+    if inductor_defaults:
+        _runner.CPU_COMPILE_OPTIONS = ()  # type: ignore[assignment, misc]  # read when a pass is compiled
     model = load_decoder(checkpoint)
     results = []
     for rows in rows_list:
-        eager, batch = make_runner(model, rows, history, "off")
-        compiled, _ = make_runner(model, rows, history, "cpu")
+        eager, batch = make_runner(model, rows, history, "off", sampled)
+        compiled, _ = make_runner(model, rows, history, "cpu", sampled)
         started = time.perf_counter()
         compiled.decode(batch)  # compiles this bucket
         compile_s = time.perf_counter() - started
@@ -80,8 +93,23 @@ def measure(
     return results
 
 
-def print_table(checkpoint: Path, results: Sequence[dict[str, Any]], history: int) -> None:
-    print(f"\nCompiled decode pass on CPU ({checkpoint.name}, {history} tokens of history per row, one thread)")
+def noise_differences(rows: int, vocab: int) -> tuple[int, int]:
+    """How many of ``rows`` x ``vocab`` Exp(1) draws a compiled ``exponential_noise`` gives differently from eager
+    (the runner's inductor options, or inductor's own with --inductor-defaults), and how many there are."""
+    import torch
+
+    from triton_npu_client.server.chat import _runner
+    from triton_npu_client.server.chat._sampling import exponential_noise
+
+    seeds, positions = torch.arange(1, rows + 1), torch.arange(rows) + 300
+    options: dict[str, Any] = dict(_runner.CPU_COMPILE_OPTIONS)
+    compiled = torch.compile(exponential_noise, fullgraph=True, dynamic=False, options=options)
+    got, expected = compiled(seeds, positions, vocab), exponential_noise(seeds, positions, vocab)
+    return int((got != expected).sum()), rows * vocab
+
+
+def print_table(checkpoint: Path, results: Sequence[dict[str, Any]], history: int, label: str = "") -> None:
+    print(f"\nCompiled decode pass on CPU ({checkpoint.name}, {history} tokens of history per row, one thread{label})")
     print("| rows | eager ms/pass | compiled ms/pass | gain | compile s (once per bucket) |")
     print("|---|---|---|---|---|")
     for r in results:
@@ -96,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--history", type=int, default=300, help="tokens of history per row (default 300)")
     p.add_argument("--passes", type=int, default=50, help="passes per timing (default 50)")
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds (default 3)")
+    p.add_argument("--sampled", action="store_true", help="rows sample (temperature 0.8, top-k 5) instead of greedy")
+    p.add_argument("--inductor-defaults", action="store_true",
+                   help="compile with inductor's own CPU options, not the runner's CPU_COMPILE_OPTIONS")  # fmt: skip
+    p.add_argument("--noise", action="store_true", help="count the Exp(1) draws a compiled graph gives differently")
     args = p.parse_args(argv)
     from triton_npu_client.server._device import keep_freed_memory
 
@@ -107,7 +139,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--rows must be integers separated by commas, got {args.rows!r}")
     if any(r < 1 for r in rows) or args.history < 1 or args.passes < 1 or args.repeats < 1:
         p.error("--rows, --history, --passes and --repeats must be >= 1")
-    print_table(args.checkpoint, measure(args.checkpoint, rows, args.history, args.passes, args.repeats), args.history)
+    results = measure(args.checkpoint, rows, args.history, args.passes, args.repeats, sampled=args.sampled,
+                      inductor_defaults=args.inductor_defaults)  # fmt: skip
+    label = (", sampled" if args.sampled else ", greedy") + (
+        ", inductor's own options" if args.inductor_defaults else ", the runner's CPU_COMPILE_OPTIONS"
+    )
+    print_table(args.checkpoint, results, args.history, label)
+    if args.noise:
+        from triton_npu_client.server import load_decoder
+
+        differ, draws = noise_differences(max(rows), load_decoder(args.checkpoint).vocab_size)
+        print(f"\nExp(1) draws a compiled graph gives differently from eager: {differ} of {draws:,}")
     return 0
 
 

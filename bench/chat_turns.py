@@ -72,7 +72,7 @@ async def main(url):
     async with Client(url, timeout_s=120) as client:
         model = await client.model("chat")
         turn = by_chat if how == "chat" else by_stream
-        await asyncio.gather(*[turn(model) for _ in range(2)])  # warm: the first turns compile nothing, but load
+        await asyncio.gather(*[turn(model) for _ in range(2)])  # warm-up: the connection and the first passes
         cpu, wall = time.process_time(), time.perf_counter()
         gaps = await asyncio.gather(*[turn(model) for _ in range(chats)])
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall

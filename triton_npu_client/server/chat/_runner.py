@@ -44,8 +44,9 @@ Compile = Literal["off", "cpu", "cuda-graphs"]
 #: Inductor's options for the CPU compile. Inductor inlines a pointwise expression into each of its readers until it
 #: exceeds ``realize_opcount_threshold`` operations (50 on a CPU), and re-generates an inlined value for every use:
 #: the sampler's hash (``_sampling._mix``: each round reads its value twice, four times a round) then costs 16x
-#: more code generation per round. At 30 (inductor's default for GPUs) the decode pass of the tiny test Llama with
-#: sampling compiles in about 20 s instead of 72 s, and runs as fast (273 vs 267 us a pass, 2 cores).
+#: more code generation per round. At 30 (inductor's default for GPUs) a sampled pass of the GPT-2 demo at 3 rows
+#: compiles in 24 s instead of 76 s and runs as fast (2.21 vs 2.30 ms a pass): ``bench/chat_compile.py --rows 3
+#: --history 30 --sampled [--inductor-defaults]``, cold inductor cache, 2 cores.
 CPU_COMPILE_OPTIONS: Final = (("realize_opcount_threshold", 30),)
 
 
