@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -31,18 +32,28 @@ THIS_CLIENT_SESSIONS = ("this client (streaming sessions, seq_stats_stream)", "t
 
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     """The script, in a process group of its own: on a timeout the whole group is killed, so a child it started
-    (perf_analyzer, a server) cannot outlive the test as subprocess.run's kill of the script alone would let it."""
+    (perf_analyzer, a server) cannot outlive the test as subprocess.run's kill of the script alone would let it.
+    A timeout fails with what the script had printed by then (where it hung), not only the timeout."""
     with subprocess.Popen(
         [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     ) as proc:  # fmt: skip
+        hung = False
         try:
             out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            hung = True
         finally:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        if hung:
+            out, err = proc.communicate(timeout=30)
+            raise AssertionError(
+                f"{shlex.join(args)} ran past {timeout_s} s; its stdout ended:\n{out[-3000:]}\nits stderr ended:\n"
+                f"{err[-3000:]}"
+            )
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
