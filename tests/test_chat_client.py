@@ -102,7 +102,6 @@ def test_incremental_decoding_equals_decoding_the_whole_reply() -> None:
 @pytest.mark.parametrize(
     ("option", "value", "expected"),
     [
-        ("max_tokens", 0, "an int >= 1"),
         ("max_tokens", -3, "an int >= 1"),
         ("max_tokens", 2.5, "an int >= 1"),
         ("max_tokens", True, "an int >= 1"),

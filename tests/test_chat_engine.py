@@ -486,7 +486,7 @@ def test_the_idle_sweep_frees_the_cache(checkpoint: Path) -> None:
         ({"roles": ["user", "assistant"], "texts": ["a", "b"]}, "last message of a turn must have ROLE user"),
         ({"roles": ["robot"], "texts": ["a"]}, "ROLE[0] must be one of"),
         ({"roles": ["user"], "texts": [b"\xff"]}, "TEXT[0] is not valid UTF-8"),
-        ({"roles": ["user"], "texts": ["a"], "max_tokens": 0}, "MAX_TOKENS must be >= 1, got 0"),
+        ({"roles": ["user"], "texts": ["a"], "max_tokens": -1}, "MAX_TOKENS must be >= 1, or 0 for no cap, got -1"),
         ({"roles": ["user"], "texts": ["a"], "top_p": 0.0}, "TOP_P must be in (0, 1], got 0.0"),
         ({"roles": ["user"], "texts": ["a"], "temperature": -1.0}, "TEMPERATURE must be a finite number >= 0"),
         ({"roles": ["user"], "texts": ["a"], "temperature": float("nan")}, "TEMPERATURE must be a finite number"),

@@ -9,7 +9,7 @@ proto``, then ``proto.DIGEST``.
 # -- inputs: a turn's messages, its options, the client's digest ----------------------------------------------------
 ROLE = "ROLE"  # one role per message of the turn (BYTES)
 TEXT = "TEXT"  # one text per message, UTF-8 (BYTES)
-MAX_TOKENS = "MAX_TOKENS"
+MAX_TOKENS = "MAX_TOKENS"  # 0: no cap (the reply may run to the end of the context)
 MIN_TOKENS = "MIN_TOKENS"
 TEMPERATURE = "TEMPERATURE"
 TOP_P = "TOP_P"
@@ -17,6 +17,12 @@ TOP_K = "TOP_K"
 SEED = "SEED"
 STOP = "STOP"  # strings the reply is cut before (BYTES, any count)
 STREAM_INTERVAL_MS = "STREAM_INTERVAL_MS"  # a model from before it lacks the input: the client checks first
+#: What the reply must be (BYTES, one JSON object): ``{"type": "json_schema", "schema": {...}, "strict": true}``,
+#: ``{"type": "json_object"}``, ``{"type": "regex", "pattern": "..."}`` or ``{"type": "grammar", "syntax": "lark" |
+#: "gbnf", "grammar": "..."}``. The server compiles it before the turn runs (one that does not compile is the
+#: request's invalid input) and masks every token the reply may not take; the turn ends once the constraint is
+#: complete. A model from before it lacks the input: the client checks first.
+CONSTRAINT = "CONSTRAINT"
 #: The history digest (``_digest``): an input with every turn but a START, and an output of a turn's last response.
 DIGEST = "DIGEST"
 #: A request of its own (BOOL true, no messages, neither START nor END) that stops the conversation's turn in flight:
@@ -40,7 +46,7 @@ INPUT_TOKENS = "INPUT_TOKENS"  # a config may leave it out (one from before it):
 REQUIRED_INPUTS = (ROLE, TEXT)
 REQUIRED_OUTPUTS = (PIECE, FINISH)
 #: The generation options' inputs, each optional: sent only when the option is set.
-OPTION_INPUTS = (MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STREAM_INTERVAL_MS)
+OPTION_INPUTS = (MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STREAM_INTERVAL_MS, CONSTRAINT)
 #: Every input and output the packaged chat model declares.
 INPUTS = (*REQUIRED_INPUTS, *OPTION_INPUTS, STOP, DIGEST, CANCEL)
 OUTPUTS = (*REQUIRED_OUTPUTS, TOKENS, PROMPT_TOKENS, CONTEXT_TOKENS, DROPPED, LIVE, KV_BYTES, DIGEST, INPUT_TOKENS)

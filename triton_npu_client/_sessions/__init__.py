@@ -14,6 +14,7 @@ from ._chat import (
     defer_chat,
     open_chat,
 )
+from ._constraint import ResponseFormat
 from ._sequence import SequenceSession, defer_sequence, new_sequence_id, open_sequence, validate_sequence_id
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ChatReply",
     "ChatSession",
     "ChatState",
+    "ResponseFormat",
     "SequenceSession",
     "defer_chat",
     "defer_sequence",

@@ -87,6 +87,7 @@ from .._trace import AVAILABLE as TRACING
 from .._trace import Span
 from .._trace import start as start_span
 from .._wire import InferResult
+from ._constraint import ResponseFormat, as_response_format
 from ._sequence import (
     DEFAULT_END_TIMEOUT_S,
     MAX_INT_ID,
@@ -168,8 +169,8 @@ def _is_number(value: object) -> bool:
 
 
 def _check_max_tokens(_: object, __: object, value: Any) -> None:
-    if value is not None and not (_is_int(value) and 1 <= int(value) <= _INT32_MAX):
-        raise ChatOptionError("max_tokens", "an int >= 1", value)
+    if value is not None and not (_is_int(value) and 0 <= int(value) <= _INT32_MAX):
+        raise ChatOptionError("max_tokens", "an int >= 1, or 0 for no cap (to the end of the context)", value)
 
 
 def _check_min_tokens(_: object, __: object, value: Any) -> None:
@@ -228,6 +229,7 @@ class ChatOptionArgs(TypedDict, total=False):
     seed: int | None
     stop: Sequence[str] | None
     stream_interval_ms: int | None
+    response_format: ResponseFormat | Mapping[str, Any] | None
 
 
 _OPTION_NAMES: Final = ChatOptionArgs.__optional_keys__
@@ -248,7 +250,9 @@ class ChatOptions:
     tokens: for benchmarks and fixed-length replies); ``temperature`` >= 0 (0 = greedy); ``top_p`` in (0, 1];
     ``top_k`` >= 0 (0 = off); ``seed`` (same seed, same reply); ``stop``: strings the reply is cut before (an
     empty list sends none); ``stream_interval_ms`` in 0..60000: at most one response per that many milliseconds
-    while the reply streams (0: one per token).
+    while the reply streams (0: one per token); ``response_format``: what the reply must be (a
+    :class:`ResponseFormat`, or OpenAI's ``response_format`` mapping; ``{"type": "text"}`` clears it), enforced by
+    the server token by token. ``max_tokens`` 0: no cap, the reply may run to the end of the context.
     Invalid values raise :class:`ChatOptionError` naming the option.
     """
 
@@ -260,9 +264,10 @@ class ChatOptions:
     seed: int | None = attrs.field(default=None, validator=_check_seed)
     stop: tuple[str, ...] | None = attrs.field(default=None, converter=_to_stop)
     stream_interval_ms: int | None = attrs.field(default=None, validator=_check_stream_interval)
+    response_format: ResponseFormat | None = attrs.field(default=None, converter=as_response_format)
 
     def __attrs_post_init__(self) -> None:
-        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+        if self.min_tokens is not None and self.max_tokens and self.min_tokens > self.max_tokens:
             raise ChatOptionError("min_tokens", f"an int in 0..max_tokens ({self.max_tokens})", self.min_tokens)
 
     def override(self, **given: Unpack[ChatOptionArgs]) -> ChatOptions:
@@ -290,6 +295,8 @@ class ChatOptions:
             out[proto.STOP] = np.array([s.encode() for s in self.stop], dtype=object)
         if self.stream_interval_ms is not None:
             out[proto.STREAM_INTERVAL_MS] = np.array([self.stream_interval_ms], np.int32)
+        if self.response_format is not None:
+            out[proto.CONSTRAINT] = np.array([self.response_format.wire().encode()], dtype=object)
         return out
 
 
@@ -541,6 +548,13 @@ def _check_chat_model(model: SessionTarget) -> None:
 
 def _check_options_fit(spec: ModelSpec, options: ChatOptions) -> None:
     """A set option needs its input on the model: a model from before STREAM_INTERVAL_MS would refuse the request."""
+    if options.response_format is not None and spec.input(proto.CONSTRAINT) is None:
+        raise ChatOptionError(
+            "response_format",
+            f"none: model {spec.name!r} takes no {proto.CONSTRAINT} input (it cannot constrain its replies)",
+            options.response_format.kind,
+            model=spec.name,
+        )
     if options.stream_interval_ms is not None and spec.input(proto.STREAM_INTERVAL_MS) is None:
         raise ChatOptionError(
             "stream_interval_ms",

@@ -75,6 +75,7 @@ from .._controls import CorrelationId, SequenceControls
 from .._generate import ExitReason, StepOutput, Stream
 from .._state import SequenceSlots
 from ._blocks import BlockManager, BlockTable, CacheFull
+from ._constraints import Constraints, ConstraintSpec, TurnMatcher, fill_masks, parse_constraint
 from ._runner import Compile, DecodeBatch, ModelRunner, PrefillRow, RowSampling
 from ._sampling import GREEDY_BELOW, SamplingFlags
 
@@ -128,9 +129,14 @@ class InputLimits:
     max_request_bytes: int = 262144  # UTF-8 bytes of all TEXT entries of one request
     max_stops: int = 16  # STOP entries
     max_stop_bytes: int = 256  # bytes of one STOP entry
+    max_constraint_bytes: int = 65536  # bytes of the CONSTRAINT input (a JSON schema, a regex, a grammar)
 
     def __post_init__(self) -> None:
-        for name in ("max_messages", "max_message_bytes", "max_request_bytes", "max_stops", "max_stop_bytes"):
+        names = (
+            "max_messages", "max_message_bytes", "max_request_bytes", "max_stops", "max_stop_bytes",
+            "max_constraint_bytes",
+        )  # fmt: skip
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -144,7 +150,9 @@ class ChatMessage:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TurnOptions:
     """How one turn generates. ``temperature`` below :data:`GREEDY_BELOW` is greedy (0, the default); ``top_k`` 0
-    is off. ``stream_interval_s``: how often the turn's mid-reply pieces may go out (None: the engine's default)."""
+    is off. ``stream_interval_s``: how often the turn's mid-reply pieces may go out (None: the engine's default).
+    ``max_tokens`` 0: no cap, the reply may run to the end of the context (the history is fitted as for the
+    engine's default cap). ``constraint``: what the reply must be (a JSON schema, a regex, a grammar)."""
 
     max_tokens: int
     min_tokens: int = 0
@@ -154,12 +162,13 @@ class TurnOptions:
     seed: int | None = None
     stop: tuple[bytes, ...] = ()
     stream_interval_s: float | None = None
+    constraint: ConstraintSpec | None = None
 
     def __post_init__(self) -> None:
         problems = []
-        if self.max_tokens < 1:
-            problems.append(f"MAX_TOKENS must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens < 0:
+            problems.append(f"MAX_TOKENS must be >= 1, or 0 for no cap, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens and self.min_tokens > self.max_tokens):
             problems.append(f"MIN_TOKENS must be in 0..MAX_TOKENS ({self.max_tokens}), got {self.min_tokens}")
         if not 0 <= self.temperature < math.inf:  # also refuses NaN
             problems.append(f"TEMPERATURE must be a finite number >= 0, got {self.temperature}")
@@ -265,6 +274,8 @@ class ChatTurn:
     prompt: _Rendered | None = None  # the prompt this turn runs with
     prompt_tokens: int = 0
     sampling: RowSampling | None = None
+    # The turn's own constraint matcher (made by parse, advanced by every token the reply takes; None: none).
+    matcher: TurnMatcher | None = None
     # The token sampled last (by the prefill, then by each decode pass), not yet part of the reply: the next step
     # takes it. None: not prefilled yet.
     next_token: int | None = None
@@ -313,6 +324,7 @@ class ChatEngine:
         clock: Callable[[], float] = time.monotonic,
         on_thread: Callable[[], None] | None = None,
         compile: Compile = "off",
+        constraint_cache: int = 64,
     ) -> None:
         if slots.on_release is not None:
             raise ValueError("slots already has an on_release hook: one SequenceSlots serves one engine")
@@ -349,6 +361,8 @@ class ChatEngine:
             model, cache, slots=slots.capacity, max_ctx=max_ctx, vocab=tokenizer.vocab_size,
             stop_ids=tokenizer.stop_ids, compile=compile,
         )  # fmt: skip
+        # Each distinct constraint compiled once (an LRU); turns take copies of the compiled matchers.
+        self.constraints = Constraints(tokenizer, capacity=constraint_cache)
         # Counters, for tests and logs.
         self.prefilled_tokens = 0
         self.prefill_forwards = 0
@@ -388,6 +402,7 @@ class ChatEngine:
         stop: Sequence[bytes | str] = (),
         digest: bytes | str | None = None,
         stream_interval_ms: int | None = None,
+        constraint: bytes | str | None = None,
         key: CorrelationId | None = None,
     ) -> ChatTurn:
         """Build one request's job from its inputs, its prompt rendered; ``ValueError`` naming the input.
@@ -397,6 +412,8 @@ class ChatEngine:
 
         Sizes are checked against :attr:`limits` on raw byte lengths before anything is decoded.
         ``stream_interval_ms`` (STREAM_INTERVAL_MS) overrides the engine's stream interval for this turn.
+        ``constraint`` (CONSTRAINT): what the reply must be (``_constraints``); compiled here, so a constraint that
+        does not compile is this request's invalid input, before any token.
         """
         if stream_interval_ms is not None and not 0 <= int(stream_interval_ms) <= proto.STREAM_INTERVAL_MAX_MS:
             longest = proto.STREAM_INTERVAL_MAX_MS
@@ -431,6 +448,10 @@ class ChatEngine:
         for i, role in enumerate(roles):
             if _size(role) > 16:  # longer than any role: not worth decoding
                 raise ValueError(f"ROLE[{i}] must be one of {', '.join(ROLES)}, got {_size(role)} bytes")
+        if constraint is not None and (size := _size(constraint)) > limits.max_constraint_bytes:
+            raise ValueError(
+                f"CONSTRAINT has {size} bytes; at most {limits.max_constraint_bytes} (parameter max_constraint_bytes)"
+            )
         client_digest = None
         if digest is not None:
             if _size(digest) > 64:
@@ -457,7 +478,10 @@ class ChatEngine:
             seed=None if seed is None else int(seed),
             stop=tuple(s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in stop),
             stream_interval_s=None if stream_interval_ms is None else int(stream_interval_ms) / 1000,
+            constraint=None if constraint is None else parse_constraint(constraint),
         )
+        # Compiled here too (once per distinct constraint): the loop's thread only fills masks.
+        matcher = None if options.constraint is None else self.constraints.matcher(options.constraint)
         # Rendered here, on an execute thread: the loop's thread, which decodes for every conversation, does not
         # spend time on one request's text (unless the history changes before admission: then admit renders).
         history = None if start or key is None else self._histories.get(key)
@@ -469,8 +493,9 @@ class ChatEngine:
             # Refused at admission, where a START still opens its conversation (Triton holds the sequence).
             rendered = None
         return ChatTurn(
-            start=start, end=end, messages=tuple(messages), options=options, rendered=rendered, digest=client_digest
-        )
+            start=start, end=end, messages=tuple(messages), options=options, rendered=rendered, digest=client_digest,
+            matcher=matcher,
+        )  # fmt: skip
 
     # -- StepLoop callbacks (loop thread) -----------------------------------------------------------------
 
@@ -572,15 +597,17 @@ class ChatEngine:
             self._decode(waiting)
         if any(t.next_token is None for t in turns):
             raise RuntimeError("a turn in the step has no sampled token: it was never prefilled")
-        before = [(len(t.reply_ids), bytes(t.reply[t.sent :])) for t in turns]
+        before = [(len(t.reply_ids), bytes(t.reply[t.sent :]), _consumed(t)) for t in turns]
         try:
             self._take(turns, protected={s.key for s in due})
         except BaseException:
-            for turn, (n_ids, tail) in zip(turns, before, strict=True):
+            for turn, (n_ids, tail, consumed) in zip(turns, before, strict=True):
                 del turn.reply_ids[n_ids:]
                 turn.reply[turn.sent :] = tail
                 turn.ending = None
                 turn.needs_pass = False
+                if turn.matcher is not None:
+                    turn.matcher.rollback(turn.matcher.consumed - consumed)
             raise
         # Nothing below raises: the step is decided.
         return self._emit(turns)
@@ -593,16 +620,23 @@ class ChatEngine:
             token = turn.next_token
             assert token is not None
             table = self._table(turn)
+            matcher = turn.matcher
             if token in self.tokenizer.stop_ids:
                 turn.ending = "stop"
             else:
+                if matcher is not None and not matcher.consume(token):
+                    # The mask allowed it, so the matcher and the mask disagree: this turn fails (alone: the step
+                    # loop runs the step again without it, and this step's other turns are put back first).
+                    raise ValueError(f"the constraint refused token {token} that its mask allowed: {matcher.error}")
                 turn.reply_ids.append(token)
                 turn.reply += self._piece(token, first=len(turn.reply_ids) == 1)
                 cut = _find_stop(turn.reply, options.stop, turn.sent)
                 if cut is not None:
                     del turn.reply[cut:]
                     turn.ending = "stop_string"
-                elif len(turn.reply_ids) >= options.max_tokens:
+                elif matcher is not None and matcher.complete:
+                    turn.ending = "stop"  # the constraint allows nothing more: the reply is whole
+                elif options.max_tokens and len(turn.reply_ids) >= options.max_tokens:
                     turn.ending = "length"
                 elif table.length >= self.max_ctx or not self._grow(table, protected):
                     # The end of the context, or no block to grow into (see the module docstring).
@@ -731,8 +765,10 @@ class ChatEngine:
             except ValueError as err:
                 raise _TurnRefused("invalid", str(err)) from None
 
+        # Room left for the reply: its cap, or with none the engine's default (the reply may then run on to the end).
+        room = options.max_tokens or self.default_max_tokens
         ids = render(kept + droppable + last)
-        if len(ids) + options.max_tokens <= self.max_ctx:
+        if len(ids) + room <= self.max_ctx:
             return _Rendered(version=version, messages=kept + droppable + last, pinned=len(kept), dropped=0, ids=ids)
         fixed = len(render(kept + last))
         if fixed + 1 > self.max_ctx:
@@ -741,7 +777,7 @@ class ChatEngine:
                 f"the turn needs {fixed} tokens (system messages, the user message and the reply's start) but the "
                 f"context holds {self.max_ctx}; shorten the message",
             )
-        limit = self.max_ctx - min(options.max_tokens, self.max_ctx - fixed)
+        limit = self.max_ctx - min(room, self.max_ctx - fixed)
         # Where the kept part may begin: at a user message, or after every droppable one.
         cuts = [k for k, (role, _) in enumerate(droppable) if role == "user" and k > 0] + [len(droppable)]
         if len(ids) <= limit:
@@ -825,12 +861,15 @@ class ChatEngine:
 
     def _run_prefill(self, rows: list[_Prefill], *, steps: int) -> None:
         """One forward for ``rows`` (positions reserved up to ``start + steps``), then commit and join each row."""
+        matchers = [p.turn.matcher for p in rows]
+        masks = fill_masks(matchers, self.constraints.words) if any(m is not None for m in matchers) else None
         values = [
             PrefillRow(
                 slot=p.turn.slot, blocks=tuple(p.table.blocks), start=p.start, ids=tuple(p.todo),
                 sampling=p.turn.sampling or RowSampling(),
+                mask=None if masks is None or p.turn.matcher is None else masks[i],
             )
-            for p in rows
+            for i, p in enumerate(rows)
         ]  # fmt: skip
         tokens = self.runner.prefill(values)
         self.prefill_forwards += 1
@@ -890,11 +929,17 @@ class ChatEngine:
                 sampled |= not s.greedy
                 filtered |= not s.greedy and s.filtered
                 min_tokens |= len(turn.reply_ids) < s.min_tokens
+        matchers = [t.matcher for t in turns]
+        # Unconstrained batches (the usual) build no mask and run the pass without its masking.
+        masks = fill_masks(matchers, self.constraints.words) if any(m is not None for m in matchers) else None
         batch = DecodeBatch(
             slots=tuple(t.slot for t in turns),
             width=width,
-            flags=SamplingFlags(sampled=sampled, filtered=filtered, min_tokens=min_tokens),
+            flags=SamplingFlags(
+                sampled=sampled, filtered=filtered, min_tokens=min_tokens, constrained=masks is not None
+            ),
             appended=tuple(appended),
+            masks=masks,
         )
         tokens = self.runner.decode(batch)
         # The pass went through: each table holds its input token, and the rows know their blocks.
@@ -984,6 +1029,10 @@ class _TurnRefused(ValueError):
     def __init__(self, kind: RefusalKind, message: str) -> None:
         super().__init__(message)
         self.kind: RefusalKind = kind
+
+
+def _consumed(turn: ChatTurn) -> int:
+    return 0 if turn.matcher is None else turn.matcher.consumed
 
 
 def _size(value: bytes | str) -> int:

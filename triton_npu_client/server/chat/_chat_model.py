@@ -22,7 +22,9 @@ response per interval), ``evict_min_idle_ms`` (at the cap of conversations, or
 when the KV cache has no free block, the conversation idle longest gives way if it has idled at least this long;
 default 60000; negative: never evict), and the input caps of :class:`~._chat.InputLimits`:
 ``max_messages`` (512), ``max_message_bytes`` (65536), ``max_request_bytes`` (262144), ``max_stops`` (16),
-``max_stop_bytes`` (256), ``compile_decode`` (``off``, ``cpu`` or ``cuda-graphs``: the decode pass compiled as one
+``max_stop_bytes`` (256), ``max_constraint_bytes`` (65536: the CONSTRAINT input), ``constraint_cache`` (64:
+distinct constraints kept compiled, least recently used dropped first), ``compile_decode`` (``off``, ``cpu`` or
+``cuda-graphs``: the decode pass compiled as one
 graph per batch bucket, see docs/chat.md).
 
 Every refusal of a request's own input (a bad option, an input over a cap, a malformed turn) begins with the
@@ -138,6 +140,7 @@ class ChatModel:
             max_request_bytes=int(param("max_request_bytes", str(default.max_request_bytes))),
             max_stops=int(param("max_stops", str(default.max_stops))),
             max_stop_bytes=int(param("max_stop_bytes", str(default.max_stop_bytes))),
+            max_constraint_bytes=int(param("max_constraint_bytes", str(default.max_constraint_bytes))),
         )
         # Only a model keeping conversations shares prefixes by default: the stateless twin is the baseline of
         # a server that keeps nothing between requests.
@@ -159,6 +162,7 @@ class ChatModel:
             # Device context is per thread: the loop's thread makes the instance's device current too.
             on_thread=lambda: _activate(choice, threads),
             compile=_compile_mode(param("compile_decode", "off")),
+            constraint_cache=int(param("constraint_cache", "64")),
         )
         self._keys = itertools.count(1)
         self._control_names = () if self._batching is None else tuple(self._batching.control_inputs.values())

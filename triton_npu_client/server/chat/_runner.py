@@ -80,26 +80,33 @@ class RowSampling:
 
 @dataclass(frozen=True, slots=True)
 class PrefillRow:
-    """Prefill ``ids`` at positions ``start ..`` of a table whose blocks are ``blocks`` (reserved already)."""
+    """Prefill ``ids`` at positions ``start ..`` of a table whose blocks are ``blocks`` (reserved already).
+
+    ``mask``: a constrained turn's token bitmask for its first token (int32 ``[words]``, host memory); None: any id.
+    """
 
     slot: int
     blocks: tuple[int, ...]
     start: int
     ids: tuple[int, ...]
     sampling: RowSampling
+    mask: Any = None
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
     """One decode pass: the slots that run (their rows joined before), the blocks to read, what sampling needs.
 
-    ``appended``: (slot, index, block) for each block a row grew into since its row was written.
+    ``appended``: (slot, index, block) for each block a row grew into since its row was written. ``masks``: with
+    ``flags.constrained``, the rows' token bitmasks (int32 ``[len(slots), words]``, host memory, every bit set for an
+    unconstrained row).
     """
 
     slots: tuple[int, ...]
     width: int
     flags: SamplingFlags
     appended: tuple[tuple[int, int, int], ...] = ()
+    masks: Any = None
 
 
 class ModelRunner:
@@ -190,10 +197,18 @@ class ModelRunner:
         logits = forward(self.model, self.blocks.keys, self.blocks.values, tokens, meta, last=last)
         self.prefill_forwards += 1
         samplings = [r.sampling for r in rows]
+        constrained = [r.mask for r in rows if r.mask is not None]
+        masks = None
+        if constrained:
+            words = len(constrained[0])
+            masks = torch.tensor(
+                [[-1] * words if r.mask is None else r.mask.tolist() for r in rows], dtype=torch.int32, device=device
+            )
         flags = SamplingFlags(
             sampled=any(not s.greedy for s in samplings),
             filtered=any(not s.greedy and s.filtered for s in samplings),
             min_tokens=any(s.min_tokens > 0 for s in samplings),
+            constrained=masks is not None,
         )
         ids = sample(
             logits[:, : self.vocab],
@@ -205,6 +220,7 @@ class ModelRunner:
             below_min=torch.tensor([s.min_tokens > 0 for s in samplings], device=device),
             stop_ids=self.stop_ids,
             flags=flags,
+            masks=masks,
         )
         return _checked(ids.tolist())
 
@@ -241,20 +257,34 @@ class ModelRunner:
             values = torch.tensor([block for _, _, block in batch.appended], device=self.device)
             self.tables[where[:, 0], where[:, 1]] = values
         width = self.max_blocks if self.compile == "cuda-graphs" else batch.width
+        masks = self._masks(batch, int(rows.shape[0])) if batch.flags.constrained else None
         with _flush_to_zero():
-            ids = self.decode_pass(rows, width, batch.flags)
+            ids = self.decode_pass(rows, width, batch.flags, masks)
         live = ids[:n]
         host = _checked(live.tolist())  # the pass's one device-to-host copy
         self._advance(rows[:n], live)
         self.decode_passes += 1
         return host
 
-    def decode_pass(self, rows: torch.Tensor, width: int, flags: SamplingFlags) -> torch.Tensor:
-        """The fixed-shape pass for padded ``rows``: inputs gathered from the decode rows, one forward, sampling."""
+    def _masks(self, batch: DecodeBatch, size: int) -> torch.Tensor:
+        """The batch's bitmasks on the device, padded to ``size`` rows (a padding row allows every id)."""
+        import torch
+
+        host = torch.from_numpy(batch.masks)
+        if size > host.shape[0]:
+            host = torch.cat([host, torch.full((size - host.shape[0], host.shape[1]), -1, dtype=torch.int32)])
+        return host.to(self.device, non_blocking=True)
+
+    def decode_pass(
+        self, rows: torch.Tensor, width: int, flags: SamplingFlags, masks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The fixed-shape pass for padded ``rows``: inputs gathered from the decode rows, one forward, sampling.
+
+        ``masks`` (``[rows, words]`` int32 on the device) with ``flags.constrained``: the rows' token bitmasks."""
         tables = self.tables[rows, :width]
         key_positions = self._key_positions[: width * self.blocks.block_size]
         if self.compile == "off":
-            return self._pass(rows, tables, key_positions, flags)
+            return self._pass(rows, tables, key_positions, flags, masks)
         fn = self._compiled.get((int(rows.shape[0]), flags))
         if fn is None:
             fn = self._compile_pass(flags)
@@ -264,25 +294,37 @@ class ModelRunner:
 
             torch._dynamo.mark_dynamic(tables, 1)
             torch._dynamo.mark_dynamic(key_positions, 0)
-        return fn(rows, tables, key_positions)  # type: ignore[no-any-return]
+        return fn(rows, tables, key_positions, masks)  # type: ignore[no-any-return]
 
     def _compile_pass(self, flags: SamplingFlags) -> Any:
         import torch
 
-        def run(rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-            return self._pass(rows, tables, key_positions, flags)
+        def run(
+            rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor, masks: torch.Tensor | None
+        ) -> torch.Tensor:
+            return self._pass(rows, tables, key_positions, flags, masks)
 
         if self.compile == "cuda-graphs":
             return torch.compile(run, fullgraph=True, mode="reduce-overhead", dynamic=False)
         return torch.compile(run, fullgraph=True, options=dict(CPU_COMPILE_OPTIONS))
 
     def _pass(
-        self, rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor, flags: SamplingFlags
+        self,
+        rows: torch.Tensor,
+        tables: torch.Tensor,
+        key_positions: torch.Tensor,
+        flags: SamplingFlags,
+        masks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.pass_outputs(rows, tables, key_positions, flags)[1]
+        return self.pass_outputs(rows, tables, key_positions, flags, masks)[1]
 
     def pass_outputs(
-        self, rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor, flags: SamplingFlags
+        self,
+        rows: torch.Tensor,
+        tables: torch.Tensor,
+        key_positions: torch.Tensor,
+        flags: SamplingFlags,
+        masks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode pass's logits and sampled ids (-1 where not finite), for padded ``rows``."""
         logits = self.pass_logits(rows, tables, key_positions)
@@ -296,6 +338,7 @@ class ModelRunner:
             below_min=self.sampled[rows] < self.min_tokens[rows],
             stop_ids=self.stop_ids,
             flags=flags,
+            masks=masks,
         )
 
     def pass_logits(self, rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:

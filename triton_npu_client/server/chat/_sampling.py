@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GREEDY_BELOW", "SamplingFlags", "exponential_noise", "sample"]
+__all__ = ["GREEDY_BELOW", "SamplingFlags", "allowed_ids", "exponential_noise", "sample"]
 
 #: A temperature below this is greedy (vLLM's epsilon): dividing logits by a smaller one overflows them to inf.
 GREEDY_BELOW: Final = 1e-5
@@ -38,12 +38,13 @@ class SamplingFlags:
     """What a batch needs of the sampler, known on the host when the batch is planned; each a graph variant.
 
     ``sampled``: some row is not greedy. ``filtered``: some sampled row has top-k or top-p. ``min_tokens``: some row
-    may not end yet (its stop ids are masked).
+    may not end yet (its stop ids are masked). ``constrained``: some row has a constraint (a token bitmask per row).
     """
 
     sampled: bool = False
     filtered: bool = False
     min_tokens: bool = False
+    constrained: bool = False
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -66,9 +67,23 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     key = _mix(_mix(lo ^ _mix(hi)) ^ (positions.to(torch.int64) & _MASK32))  # [rows]
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     bits = _mix(_mix(key[:, None] ^ ids[None, :]) ^ (key[:, None] >> 7))
-    # 24 bits, centred in their interval: u in (0, 1) exactly, so -log(u) is finite and positive.
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits, centred in their interval: u in (0, 1) exactly, so -log(u) is finite and positive. (With 24 bits the
+    # top value, 2**24 - 0.5, is not a float32 and rounded to 2**24: u was 1.0 for one id in 2**24, its noise 0, and
+    # that id won every race it was in, whatever its probability, or NaN where it was masked out.)
+    u = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(u)
+
+
+def allowed_ids(masks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[rows, vocab]`` bool from ``masks`` ``[rows, words]`` int32, bit ``i % 32`` of word ``i // 32`` for id ``i``.
+
+    One batched shift-and-mask on the device: the host sends 1 bit per id (4 KiB a row for a 128k vocabulary).
+    """
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
+    bits = (masks[:, :, None] >> shifts) & 1
+    return bits.reshape(masks.shape[0], -1)[:, :vocab].to(torch.bool)
 
 
 def sample(
@@ -82,11 +97,14 @@ def sample(
     below_min: torch.Tensor,
     stop_ids: torch.Tensor,
     flags: SamplingFlags,
+    masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` ``[rows, vocab]`` (int64, on the device); -1 where its logits are not finite.
 
     ``temperature``, ``top_k`` (0: off), ``top_p`` (1: off), ``seeds`` and ``positions`` (where the token goes) are
-    ``[rows]``; ``below_min`` ``[rows]`` bool masks ``stop_ids`` for rows whose reply may not end yet.
+    ``[rows]``; ``below_min`` ``[rows]`` bool masks ``stop_ids`` for rows whose reply may not end yet. ``masks``
+    (with ``flags.constrained``): ``[rows, words]`` int32 token bitmasks, every bit set for an unconstrained row; a
+    row draws only among the ids its mask allows (-1 when it allows none the other rules leave).
     """
     import torch
 
@@ -96,6 +114,11 @@ def sample(
         blocked = torch.zeros_like(logits, dtype=torch.bool)
         blocked[:, stop_ids] = True
         logits = logits.masked_fill(blocked & below_min[:, None], float("-inf"))
+    if flags.constrained and masks is not None:
+        allowed = allowed_ids(masks, int(logits.shape[-1]))
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        # A row left with nothing to draw from fails alone (its constraint and MIN_TOKENS disagree).
+        valid = valid & (logits > float("-inf")).any(dim=-1)
     chosen = logits.argmax(dim=-1)
     if flags.sampled:
         greedy = temperature < GREEDY_BELOW
