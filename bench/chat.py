@@ -21,6 +21,9 @@ The measurements, each the median of ``--repeats`` rounds, contenders alternatin
    ``--chats`` rows.
    The CPU each process spends per 1,000 tokens at ``--chats`` (the Python stub, tritonserver, this client)
    says where the difference goes; it is read from /proc, for a server on this machine.
+   And at ``--chats`` conversations, in the same rounds, every turn constrained by a JSON schema (``CONSTRAINT``:
+   a list of at least 40 people, so no reply completes before its ``--tokens``) against the same turns
+   unconstrained. Goal: at least 0.85x the tokens/s.
 3. **Time to first token at turn ``--turns``.** A conversation on `chat` (history on the server: each
    turn sends only its new message) against a client that resends the whole history every turn to
    `chat_stateless` (the same model and weights, keeping nothing). Both see the same messages and the
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import platform
 import statistics
 import sys
@@ -172,6 +176,29 @@ async def ttft_at_turn(chat: Model, twin: Model, turns: int, tokens: int) -> tup
 
 
 
+#: What the constrained turns must write: a JSON list of people, at least 40 of them, so that every reply runs to its
+#: MAX_TOKENS as the unconstrained ones do (a list that could close early would decode fewer rows per pass).
+PEOPLE_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 120}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "minItems": 40,
+}
+
+
+def constraint_input(schema: dict[str, Any] | None) -> dict[str, np.ndarray[Any, Any]]:
+    """CONSTRAINT for a JSON schema (None: not sent)."""
+    if schema is None:
+        return {}
+    body = json.dumps({"type": "json_schema", "schema": schema, "strict": True})
+    return {"CONSTRAINT": np.array([body.encode()], dtype=object)}
+
+
 def interval_input(interval_ms: int | None) -> dict[str, np.ndarray[Any, Any]]:
     """STREAM_INTERVAL_MS when asked for (None: not sent, the model's default: a response per token)."""
     return {} if interval_ms is None else {"STREAM_INTERVAL_MS": np.array([interval_ms], np.int32)}
@@ -186,12 +213,18 @@ class Throughput:
 
 
 async def aggregate(
-    chat: Model, chats: int, tokens: int, *, interval_ms: int | None = None, procs: Processes | None = None
+    chat: Model,
+    chats: int,
+    tokens: int,
+    *,
+    interval_ms: int | None = None,
+    procs: Processes | None = None,
+    schema: dict[str, Any] | None = None,
 ) -> Throughput:
     """``chats`` conversations (opened beforehand) generating ``tokens`` tokens each at once, end to end.
 
     ``interval_ms``: the STREAM_INTERVAL_MS the client asks for. With ``procs``, the CPU each process spent
-    while the turns generated.
+    while the turns generated. ``schema``: every measured turn constrained by it.
     """
     sessions = [chat.sequence() for _ in range(chats)]
     try:
@@ -201,7 +234,14 @@ async def aggregate(
         start = time.perf_counter()
         turns = await asyncio.gather(
             *(
-                timed(seq.stream({**messages(("user", "Go on.")), **fixed(tokens), **interval_input(interval_ms)}))
+                timed(
+                    seq.stream(
+                        {
+                            **messages(("user", "Go on.")), **fixed(tokens), **interval_input(interval_ms),
+                            **constraint_input(schema),
+                        }
+                    )
+                )
                 for seq in sessions
             )
         )
@@ -427,6 +467,8 @@ class Results:
     lengths: dict[int, int] = attrs.Factory(lambda: {16: 0, 1024: 0})
     # (conversations, interval_ms or None) -> runs
     served: dict[tuple[int, int | None], list[Throughput]] = attrs.Factory(dict)
+    # --chats conversations, every turn JSON-schema constrained (a response per token)
+    constrained: list[Throughput] = attrs.Factory(list)
     # conversations -> one run per round
     alone: dict[int, list[EngineRun]] = attrs.Factory(dict)
     kept: list[float] = attrs.Factory(list)
@@ -451,6 +493,9 @@ async def measure(args: argparse.Namespace, chat: Model, twin: Model, procs: Pro
             for interval in intervals:
                 run = await aggregate(chat, n, args.tokens, interval_ms=interval, procs=procs if n > 1 else None)
                 res.served.setdefault((n, interval), []).append(run)
+                if n > 1 and interval is None:
+                    # Right after its unconstrained twin, in the same round: the same turns, every row constrained.
+                    res.constrained.append(await aggregate(chat, n, args.tokens, schema=PEOPLE_SCHEMA))
         k, r, res.history = await ttft_at_turn(chat, twin, args.turns, args.tokens)
         res.kept.append(k)
         res.resent.append(r)
@@ -555,6 +600,20 @@ def print_throughput(args: argparse.Namespace, res: Results) -> None:
     print()
 
 
+def print_constrained(args: argparse.Namespace, res: Results) -> None:
+    med = statistics.median
+    n = args.chats
+    plain = [r.tokens_per_s for r in res.served[(n, None)]]
+    bound = [r.tokens_per_s for r in res.constrained]
+    print(f"## Constrained decoding: {n} conversations, every turn under a JSON schema ({args.tokens} tokens each)\n")
+    print("| turns | tokens/s (median) | rounds | tokens generated per round |")
+    print("|---|---|---|---|")
+    print(f"| unconstrained | {med(plain):.0f} | {rounds(plain)} | {res.served[(n, None)][0].tokens} |")
+    print(f"| every row JSON-schema constrained | {med(bound):.0f} | {rounds(bound)} | {res.constrained[0].tokens} |")
+    share = ratio(med(bound), med(plain))
+    print(f"\nconstrained vs unconstrained: **{share:.2f}x** (goal >= 0.85x: {verdict(share, 0.85)})\n")
+
+
 def print_ttft(args: argparse.Namespace, res: Results) -> None:
     med = statistics.median
     print(
@@ -654,6 +713,7 @@ async def main(args: argparse.Namespace) -> int:
 
     print_latency(res)
     print_throughput(args, res)
+    print_constrained(args, res)
     print_ttft(args, res)
     print_engine_alone(args, res)
     if not args.no_in_process and not args.no_compile:

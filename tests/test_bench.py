@@ -172,7 +172,7 @@ def test_chat_bench_quick(triton_server: LocalTriton) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for goal in ("goal <= 1.3x", "goal >= 8x", "goal >= 5x"):
+    for goal in ("goal <= 1.3x", "goal >= 8x", "goal >= 5x", "goal >= 0.85x"):
         assert re.search(rf"\*\*[\d.]+x[^*]*\*\* \({goal}: (met|NOT met)\)", out), goal
     assert "## The engine alone, in process" in out
     # Every measured figure is a positive number.

@@ -272,11 +272,24 @@ def test_the_compiled_constraints_are_an_lru_of_their_capacity() -> None:
     assert specs[0].kind == "regex"
 
 
-def test_equal_schemas_spelled_differently_share_one_compile() -> None:
+def test_equal_schemas_spelled_differently_share_one_compile_and_keep_their_property_order() -> None:
     a = parse_constraint('{"type":"json_schema","schema":{"type":"object","required":["a"]}}')
-    b = parse_constraint('{"type": "json_schema", "json_schema": {"name": "x", "schema": {"required": ["a"], '
-                         '"type": "object"}}}')
+    b = parse_constraint('{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", '
+                         '"required": ["a"]}}}')
     assert a.key == b.key
+    # Property order is meaning (the reply writes them in it): a reordered schema is another constraint.
+    c = parse_constraint('{"type":"json_schema","schema":{"required":["a"],"type":"object"}}')
+    assert c.key != a.key
+
+
+def test_a_reply_writes_the_properties_in_the_schemas_order() -> None:
+    rig = Rig(DEMO)
+    for order in (["name", "age"], ["age", "name"]):
+        schema = {"type": "object", "properties": {k: SCHEMAS[0]["properties"][k] for k in order},
+                  "required": order, "additionalProperties": False}
+        reply = json.loads(text(rig.turn(len(order[0]), ["user"], ["Who?"], constraint=schema_constraint(schema),
+                                         max_tokens=60)))
+        assert list(reply) == order
 
 
 def test_the_sampler_draws_only_allowed_ids_and_leaves_unconstrained_rows_alone() -> None:

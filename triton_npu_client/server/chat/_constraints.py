@@ -55,7 +55,7 @@ _ERROR_CHARS: Final = 600  # a compile error is the user's own grammar's, but it
 
 @dataclass(frozen=True, slots=True)
 class ConstraintSpec:
-    """A parsed constraint: its kind and its source, canonical (equal constraints have equal keys)."""
+    """A parsed constraint: its kind and its source, canonical (spelled alike up to JSON spacing: equal keys)."""
 
     kind: Kind
     source: str  # the schema as canonical JSON, the regex, or the grammar's text
@@ -97,7 +97,9 @@ def parse_constraint(raw: bytes | str) -> ConstraintSpec:
         strict = holder.get("strict", value.get("strict", True))
         if not isinstance(strict, bool) and strict is not None:
             raise _refuse(f"'strict' must be true or false, given {strict!r:.40}")
-        canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        # Not sorted: the compiler writes an object's properties in the schema's order (OpenAI's strict mode does
+        # too, and a caller's model class lists its fields in the order it wants them).
+        canonical = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         return ConstraintSpec("json_schema", canonical, strict=strict is not False)
     if kind == "regex":
         pattern = value.get("pattern")
