@@ -410,8 +410,8 @@ async def test_options_are_checked_before_anything_is_sent(client: Client) -> No
             pass
     async with client.chat(MODEL, system=SYSTEM, max_tokens=4) as chat:
         with pytest.raises(ChatOptionError, match="'max_tokens'") as info:
-            chat.send("hi", max_tokens=0)
-        assert info.value.given == 0
+            chat.send("hi", max_tokens=-1)
+        assert info.value.given == -1
         with pytest.raises(ChatOptionError, match="'stop'"):
             await chat.ask("hi", stop="END")
         for timeout_s in (0, -1.0, math.nan, "1"):
@@ -555,7 +555,7 @@ async def test_client_chat_and_model_chat_are_one_shape(client: Client) -> None:
     with pytest.raises(ModelNotFoundError):
         await unknown.ask("hello")
     with pytest.raises(ChatOptionError, match="'max_tokens'"):
-        client.chat(MODEL, max_tokens=0)  # options are checked at the call, as model.chat() checks them
+        client.chat(MODEL, max_tokens=-1)  # options are checked at the call, as model.chat() checks them
 
     model = await client.model(MODEL)
     baseline = await live(client)

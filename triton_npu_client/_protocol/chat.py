@@ -23,6 +23,12 @@ STREAM_INTERVAL_MS = "STREAM_INTERVAL_MS"  # a model from before it lacks the in
 #: request's invalid input) and masks every token the reply may not take; the turn ends once the constraint is
 #: complete. A model from before it lacks the input: the client checks first.
 CONSTRAINT = "CONSTRAINT"
+#: Penalties on tokens already in the reply (FP32 each): OpenAI's presence (-2..2: once a token appeared) and
+#: frequency (-2..2: per time it appeared), subtracted from its logit; and the repetition penalty (0 < r <= 10, 1:
+#: off; Hugging Face's): a logit of a token in the prompt or the reply divided by r where positive, times r where not.
+PRESENCE_PENALTY = "PRESENCE_PENALTY"
+FREQUENCY_PENALTY = "FREQUENCY_PENALTY"
+REPETITION_PENALTY = "REPETITION_PENALTY"
 #: The history digest (``_digest``): an input with every turn but a START, and an output of a turn's last response.
 DIGEST = "DIGEST"
 #: A request of its own (BOOL true, no messages, neither START nor END) that stops the conversation's turn in flight:
@@ -46,7 +52,10 @@ INPUT_TOKENS = "INPUT_TOKENS"  # a config may leave it out (one from before it):
 REQUIRED_INPUTS = (ROLE, TEXT)
 REQUIRED_OUTPUTS = (PIECE, FINISH)
 #: The generation options' inputs, each optional: sent only when the option is set.
-OPTION_INPUTS = (MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STREAM_INTERVAL_MS, CONSTRAINT)
+OPTION_INPUTS = (
+    MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STREAM_INTERVAL_MS, CONSTRAINT, PRESENCE_PENALTY,
+    FREQUENCY_PENALTY, REPETITION_PENALTY,
+)  # fmt: skip
 #: Every input and output the packaged chat model declares.
 INPUTS = (*REQUIRED_INPUTS, *OPTION_INPUTS, STOP, DIGEST, CANCEL)
 OUTPUTS = (*REQUIRED_OUTPUTS, TOKENS, PROMPT_TOKENS, CONTEXT_TOKENS, DROPPED, LIVE, KV_BYTES, DIGEST, INPUT_TOKENS)

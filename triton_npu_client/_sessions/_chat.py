@@ -205,6 +205,19 @@ def _check_stream_interval(_: object, __: object, value: Any) -> None:
         raise ChatOptionError("stream_interval_ms", f"an int in 0..{longest} (0: every token)", value)
 
 
+def _check_penalty(name: str) -> Callable[[object, object, Any], None]:
+    def check(_: object, __: object, value: Any) -> None:
+        if value is not None and not (_is_number(value) and -2 <= float(value) <= 2):
+            raise ChatOptionError(name, "a number in -2..2 (0: off)", value)
+
+    return check
+
+
+def _check_repetition(_: object, __: object, value: Any) -> None:
+    if value is not None and not (_is_number(value) and 0 < float(value) <= 10):
+        raise ChatOptionError("repetition_penalty", "a number in (0, 10] (1: off)", value)
+
+
 def _to_stop(value: Iterable[str] | None) -> Any:
     # Checked here, on the value as given (a validator would see it converted). A bare string is refused:
     # tuple("###") would silently be three stops.
@@ -230,6 +243,9 @@ class ChatOptionArgs(TypedDict, total=False):
     stop: Sequence[str] | None
     stream_interval_ms: int | None
     response_format: ResponseFormat | Mapping[str, Any] | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
 
 
 _OPTION_NAMES: Final = ChatOptionArgs.__optional_keys__
@@ -253,6 +269,9 @@ class ChatOptions:
     while the reply streams (0: one per token); ``response_format``: what the reply must be (a
     :class:`ResponseFormat`, or OpenAI's ``response_format`` mapping; ``{"type": "text"}`` clears it), enforced by
     the server token by token. ``max_tokens`` 0: no cap, the reply may run to the end of the context.
+    ``presence_penalty`` and ``frequency_penalty`` in -2..2 (OpenAI's: subtracted from the logit of a token already
+    in the reply, once / per time it appeared); ``repetition_penalty`` in (0, 10] (Hugging Face's: the logit of a
+    token in the prompt or the reply divided by it where positive, multiplied where not; 1 is off).
     Invalid values raise :class:`ChatOptionError` naming the option.
     """
 
@@ -265,6 +284,9 @@ class ChatOptions:
     stop: tuple[str, ...] | None = attrs.field(default=None, converter=_to_stop)
     stream_interval_ms: int | None = attrs.field(default=None, validator=_check_stream_interval)
     response_format: ResponseFormat | None = attrs.field(default=None, converter=as_response_format)
+    presence_penalty: float | None = attrs.field(default=None, validator=_check_penalty("presence_penalty"))
+    frequency_penalty: float | None = attrs.field(default=None, validator=_check_penalty("frequency_penalty"))
+    repetition_penalty: float | None = attrs.field(default=None, validator=_check_repetition)
 
     def __attrs_post_init__(self) -> None:
         if self.min_tokens is not None and self.max_tokens and self.min_tokens > self.max_tokens:
@@ -297,6 +319,12 @@ class ChatOptions:
             out[proto.STREAM_INTERVAL_MS] = np.array([self.stream_interval_ms], np.int32)
         if self.response_format is not None:
             out[proto.CONSTRAINT] = np.array([self.response_format.wire().encode()], dtype=object)
+        for name, value in (
+            (proto.PRESENCE_PENALTY, self.presence_penalty), (proto.FREQUENCY_PENALTY, self.frequency_penalty),
+            (proto.REPETITION_PENALTY, self.repetition_penalty),
+        ):  # fmt: skip
+            if value is not None:
+                out[name] = np.array([value], np.float32)
         return out
 
 
@@ -548,6 +576,14 @@ def _check_chat_model(model: SessionTarget) -> None:
 
 def _check_options_fit(spec: ModelSpec, options: ChatOptions) -> None:
     """A set option needs its input on the model: a model from before STREAM_INTERVAL_MS would refuse the request."""
+    for option, name in (
+        ("presence_penalty", proto.PRESENCE_PENALTY), ("frequency_penalty", proto.FREQUENCY_PENALTY),
+        ("repetition_penalty", proto.REPETITION_PENALTY),
+    ):  # fmt: skip
+        if getattr(options, option) is not None and spec.input(name) is None:
+            raise ChatOptionError(
+                option, f"none: model {spec.name!r} takes no {name} input", getattr(options, option), model=spec.name
+            )
     if options.response_format is not None and spec.input(proto.CONSTRAINT) is None:
         raise ChatOptionError(
             "response_format",

@@ -163,6 +163,9 @@ class TurnOptions:
     stop: tuple[bytes, ...] = ()
     stream_interval_s: float | None = None
     constraint: ConstraintSpec | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -176,6 +179,11 @@ class TurnOptions:
             problems.append(f"TOP_P must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             problems.append(f"TOP_K must be >= 0, got {self.top_k}")
+        for name, value in (("PRESENCE_PENALTY", self.presence_penalty), ("FREQUENCY_PENALTY", self.frequency_penalty)):
+            if not -2 <= value <= 2:  # also refuses NaN
+                problems.append(f"{name} must be in -2..2, got {value}")
+        if not 0 < self.repetition_penalty <= 10:
+            problems.append(f"REPETITION_PENALTY must be in (0, 10] (1: off), got {self.repetition_penalty}")
         if any(not s for s in self.stop):
             problems.append("STOP strings must not be empty")
         longest = proto.STREAM_INTERVAL_MAX_MS / 1000
@@ -403,6 +411,9 @@ class ChatEngine:
         digest: bytes | str | None = None,
         stream_interval_ms: int | None = None,
         constraint: bytes | str | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
         key: CorrelationId | None = None,
     ) -> ChatTurn:
         """Build one request's job from its inputs, its prompt rendered; ``ValueError`` naming the input.
@@ -479,6 +490,9 @@ class ChatEngine:
             stop=tuple(s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in stop),
             stream_interval_s=None if stream_interval_ms is None else int(stream_interval_ms) / 1000,
             constraint=None if constraint is None else parse_constraint(constraint),
+            presence_penalty=0.0 if presence_penalty is None else float(presence_penalty),
+            frequency_penalty=0.0 if frequency_penalty is None else float(frequency_penalty),
+            repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
         )
         # Compiled here too (once per distinct constraint): the loop's thread only fills masks.
         matcher = None if options.constraint is None else self.constraints.matcher(options.constraint)
@@ -823,7 +837,8 @@ class ChatEngine:
             seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             turn.sampling = RowSampling(
                 temperature=0.0 if options.greedy else options.temperature, top_k=options.top_k,
-                top_p=options.top_p, seed=seed, min_tokens=options.min_tokens,
+                top_p=options.top_p, seed=seed, min_tokens=options.min_tokens, presence=options.presence_penalty,
+                frequency=options.frequency_penalty, repetition=options.repetition_penalty,
             )  # fmt: skip
         turn.prompt_tokens = len(todo)
         pending = _Prefill(turn=turn, table=table, start=start, todo=todo)
@@ -868,6 +883,7 @@ class ChatEngine:
                 slot=p.turn.slot, blocks=tuple(p.table.blocks), start=p.start, ids=tuple(p.todo),
                 sampling=p.turn.sampling or RowSampling(),
                 mask=None if masks is None or p.turn.matcher is None else masks[i],
+                context=_context(p.turn),
             )
             for i, p in enumerate(rows)
         ]  # fmt: skip
@@ -917,7 +933,7 @@ class ChatEngine:
         """One decode pass for ``turns`` (each reserved its next position): the runner samples their next tokens."""
         appended: list[tuple[int, int, int]] = []
         width = 1
-        sampled = filtered = min_tokens = False
+        sampled = filtered = min_tokens = penalized = False
         convs = [self._conversations[t.slot] for t in turns]  # before the pass: a missing one changes nothing
         for turn, conv in zip(turns, convs, strict=True):
             table = conv.table
@@ -929,6 +945,7 @@ class ChatEngine:
                 sampled |= not s.greedy
                 filtered |= not s.greedy and s.filtered
                 min_tokens |= len(turn.reply_ids) < s.min_tokens
+                penalized |= s.penalized
         matchers = [t.matcher for t in turns]
         # Unconstrained batches (the usual) build no mask and run the pass without its masking.
         masks = fill_masks(matchers, self.constraints.words) if any(m is not None for m in matchers) else None
@@ -936,7 +953,8 @@ class ChatEngine:
             slots=tuple(t.slot for t in turns),
             width=width,
             flags=SamplingFlags(
-                sampled=sampled, filtered=filtered, min_tokens=min_tokens, constrained=masks is not None
+                sampled=sampled, filtered=filtered, min_tokens=min_tokens, constrained=masks is not None,
+                penalized=penalized,
             ),
             appended=tuple(appended),
             masks=masks,
@@ -1029,6 +1047,14 @@ class _TurnRefused(ValueError):
     def __init__(self, kind: RefusalKind, message: str) -> None:
         super().__init__(message)
         self.kind: RefusalKind = kind
+
+
+def _context(turn: ChatTurn) -> tuple[int, ...]:
+    """The prompt's ids where the turn's repetition penalty reads them (else nothing: they are not copied)."""
+    s = turn.sampling
+    if s is None or s.repetition == 1 or turn.prompt is None:
+        return ()
+    return tuple(turn.prompt.ids)
 
 
 def _consumed(turn: ChatTurn) -> int:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from ._attention import Attention, write_index
 from ._decoders import Decoder, forward
-from ._sampling import GREEDY_BELOW, SamplingFlags, sample
+from ._sampling import GREEDY_BELOW, Penalties, SamplingFlags, sample
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +68,13 @@ class RowSampling:
     top_p: float = 1.0
     seed: int = 0
     min_tokens: int = 0
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +90,7 @@ class PrefillRow:
     """Prefill ``ids`` at positions ``start ..`` of a table whose blocks are ``blocks`` (reserved already).
 
     ``mask``: a constrained turn's token bitmask for its first token (int32 ``[words]``, host memory); None: any id.
+    ``context``: with a repetition penalty, the whole prompt's ids (what the penalty counts as seen).
     """
 
     slot: int
@@ -91,6 +99,7 @@ class PrefillRow:
     ids: tuple[int, ...]
     sampling: RowSampling
     mask: Any = None
+    context: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +169,15 @@ class ModelRunner:
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
         self._key_positions = torch.arange(self.max_blocks * blocks.block_size, device=device)
         self._rows_cache: tuple[tuple[int, ...], int, torch.Tensor] | None = None
+        self._rows_count = rows
+        # Penalties' state, allocated at the first penalized turn (two [slots, vocab] tables: 1 MiB for 64 slots of
+        # the demo's 4,096 ids, 40 MiB for a 128k vocabulary): each slot's counts of the ids in its reply so far and
+        # the ids of its prompt, and its three penalties.
+        self._counts: torch.Tensor | None = None
+        self._seen: torch.Tensor | None = None
+        self._presence: torch.Tensor | None = None
+        self._frequency: torch.Tensor | None = None
+        self._repetition: torch.Tensor | None = None
         self._compiled: dict[tuple[int, SamplingFlags], Any] = {}
         # Counters, for tests and logs.
         self.prefill_forwards = 0
@@ -204,11 +222,25 @@ class ModelRunner:
             masks = torch.tensor(
                 [[-1] * words if r.mask is None else r.mask.tolist() for r in rows], dtype=torch.int32, device=device
             )
+        penalties = None
+        if any(s.penalized for s in samplings):
+            seen = torch.zeros((len(rows), self.vocab), dtype=torch.bool, device=device)
+            for i, r in enumerate(rows):
+                if r.sampling.repetition != 1 and r.context:
+                    seen[i, torch.tensor(r.context, device=device)] = True
+            penalties = Penalties(
+                counts=torch.zeros((len(rows), self.vocab), dtype=torch.int32, device=device),
+                seen=seen,
+                presence=torch.tensor([s.presence for s in samplings], device=device),
+                frequency=torch.tensor([s.frequency for s in samplings], device=device),
+                repetition=torch.tensor([s.repetition for s in samplings], device=device),
+            )
         flags = SamplingFlags(
             sampled=any(not s.greedy for s in samplings),
             filtered=any(not s.greedy and s.filtered for s in samplings),
             min_tokens=any(s.min_tokens > 0 for s in samplings),
             constrained=masks is not None,
+            penalized=penalties is not None,
         )
         ids = sample(
             logits[:, : self.vocab],
@@ -221,6 +253,7 @@ class ModelRunner:
             stop_ids=self.stop_ids,
             flags=flags,
             masks=masks,
+            penalties=penalties,
         )
         return _checked(ids.tolist())
 
@@ -242,6 +275,32 @@ class ModelRunner:
         self.seeds[slot] = s.seed
         self.min_tokens[slot] = s.min_tokens
         self.sampled[slot] = 1
+        if s.penalized or self._counts is not None:
+            counts, seen, presence, frequency, repetition = self._penalty_state()
+            counts[slot] = 0
+            counts[slot, token] = 1  # the reply's first token, sampled by the prefill
+            seen[slot] = False
+            if s.repetition != 1 and row.context:
+                seen[slot, torch.tensor(row.context, device=device)] = True
+            presence[slot] = s.presence
+            frequency[slot] = s.frequency
+            repetition[slot] = s.repetition
+
+    def _penalty_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        import torch
+
+        if self._counts is None:
+            rows, device = self._rows_count, self.device
+            self._counts = torch.zeros((rows, self.vocab), dtype=torch.int32, device=device)
+            self._seen = torch.zeros((rows, self.vocab), dtype=torch.bool, device=device)
+            self._presence = torch.zeros(rows, dtype=torch.float32, device=device)
+            self._frequency = torch.zeros(rows, dtype=torch.float32, device=device)
+            self._repetition = torch.ones(rows, dtype=torch.float32, device=device)
+        assert self._seen is not None
+        assert self._presence is not None
+        assert self._frequency is not None
+        assert self._repetition is not None
+        return self._counts, self._seen, self._presence, self._frequency, self._repetition
 
     # -- decode ---------------------------------------------------------------------------------------------
 
@@ -328,6 +387,13 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode pass's logits and sampled ids (-1 where not finite), for padded ``rows``."""
         logits = self.pass_logits(rows, tables, key_positions)
+        penalties = None
+        if flags.penalized:
+            counts, seen, presence, frequency, repetition = self._penalty_state()
+            penalties = Penalties(
+                counts=counts[rows], seen=seen[rows], presence=presence[rows], frequency=frequency[rows],
+                repetition=repetition[rows],
+            )  # fmt: skip
         return logits, sample(
             logits,
             temperature=self.temperature[rows],
@@ -339,6 +405,7 @@ class ModelRunner:
             stop_ids=self.stop_ids,
             flags=flags,
             masks=masks,
+            penalties=penalties,
         )
 
     def pass_logits(self, rows: torch.Tensor, tables: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -358,6 +425,11 @@ class ModelRunner:
         return logits[:, : self.vocab]
 
     def _advance(self, live: torch.Tensor, ids: torch.Tensor) -> None:
+        if self._counts is not None:
+            import torch
+
+            # Every live row counts its new token (a row's counts are reset whenever a turn joins it).
+            self._counts.index_put_((live, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         self.tokens.index_copy_(0, live, ids)
         self.positions.index_add_(0, live, self._ones(live))
         self.sampled.index_add_(0, live, self._ones(live))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GREEDY_BELOW", "SamplingFlags", "allowed_ids", "exponential_noise", "sample"]
+__all__ = ["GREEDY_BELOW", "Penalties", "SamplingFlags", "allowed_ids", "exponential_noise", "penalize", "sample"]
 
 #: A temperature below this is greedy (vLLM's epsilon): dividing logits by a smaller one overflows them to inf.
 GREEDY_BELOW: Final = 1e-5
@@ -39,12 +39,44 @@ class SamplingFlags:
 
     ``sampled``: some row is not greedy. ``filtered``: some sampled row has top-k or top-p. ``min_tokens``: some row
     may not end yet (its stop ids are masked). ``constrained``: some row has a constraint (a token bitmask per row).
+    ``penalized``: some row has a presence, frequency or repetition penalty (its token counts are read).
     """
 
     sampled: bool = False
     filtered: bool = False
     min_tokens: bool = False
     constrained: bool = False
+    penalized: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Penalties:
+    """The penalties of a batch's rows, all ``[rows]`` but the counts: ``counts`` ``[rows, vocab]`` (how often each id
+    is in the reply so far), ``seen`` ``[rows, vocab]`` bool (each id in the prompt), ``presence``, ``frequency``,
+    ``repetition`` (1: off)."""
+
+    counts: torch.Tensor
+    seen: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+
+
+def penalize(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """The logits with the rows' penalties applied (vLLM's order: repetition, then frequency and presence).
+
+    Repetition (Hugging Face's): a token in the prompt or the reply has its logit divided by ``r`` where positive and
+    multiplied by it where not. Frequency and presence (OpenAI's): ``count * frequency + (count > 0) * presence`` is
+    subtracted. A row with every penalty off is left as it is (``r`` 1, both 0).
+    """
+    import torch
+
+    counts = p.counts.to(logits.dtype)
+    used = p.counts > 0
+    rep = p.repetition[:, None]
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(used | p.seen, repeated, logits)
+    return logits - counts * p.frequency[:, None] - used.to(logits.dtype) * p.presence[:, None]
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -98,18 +130,22 @@ def sample(
     stop_ids: torch.Tensor,
     flags: SamplingFlags,
     masks: torch.Tensor | None = None,
+    penalties: Penalties | None = None,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` ``[rows, vocab]`` (int64, on the device); -1 where its logits are not finite.
 
     ``temperature``, ``top_k`` (0: off), ``top_p`` (1: off), ``seeds`` and ``positions`` (where the token goes) are
     ``[rows]``; ``below_min`` ``[rows]`` bool masks ``stop_ids`` for rows whose reply may not end yet. ``masks``
     (with ``flags.constrained``): ``[rows, words]`` int32 token bitmasks, every bit set for an unconstrained row; a
-    row draws only among the ids its mask allows (-1 when it allows none the other rules leave).
+    row draws only among the ids its mask allows (-1 when it allows none the other rules leave). ``penalties`` (with
+    ``flags.penalized``): applied first, to greedy and sampled rows alike.
     """
     import torch
 
     # A row whose logits are not a distribution (NaN, or inf) gets -1: the host finds it in the same copy.
     valid = torch.isfinite(logits).all(dim=-1)
+    if flags.penalized and penalties is not None:
+        logits = penalize(logits, penalties)
     if flags.min_tokens and stop_ids.numel():
         blocked = torch.zeros_like(logits, dtype=torch.bool)
         blocked[:, stop_ids] = True
