@@ -524,7 +524,7 @@ HOSTILE: list[tuple[dict[str, object], str]] = [
     ({"stop": ["s" * 10_000]}, "STOP[0] has 10000 bytes; at most 256"),
     ({"temperature": float("nan")}, "TEMPERATURE must be a finite number >= 0, got nan"),
     ({"top_p": float("inf")}, "TOP_P must be in (0, 1], got inf"),
-    ({"max_tokens": -5}, "MAX_TOKENS must be >= 1, got -5"),
+    ({"max_tokens": -5}, "MAX_TOKENS must be >= 1, or 0 for no cap, got -5"),
 ]
 
 

@@ -29,6 +29,11 @@ CONSTRAINT = "CONSTRAINT"
 PRESENCE_PENALTY = "PRESENCE_PENALTY"
 FREQUENCY_PENALTY = "FREQUENCY_PENALTY"
 REPETITION_PENALTY = "REPETITION_PENALTY"
+#: In (INT32, 0..20): each reply token's log-probability, with that many most likely alternatives. Out (BYTES, JSON):
+#: on each response, the entries of the tokens whose bytes it completes, ``[{"id", "b" (the token's bytes, hex),
+#: "lp", "top": [[id, bytes hex, lp], ...]}]``, from the model's own distribution (before temperature, penalties and
+#: constraints); the last response carries the rest.
+LOGPROBS = "LOGPROBS"
 #: The history digest (``_digest``): an input with every turn but a START, and an output of a turn's last response.
 DIGEST = "DIGEST"
 #: A request of its own (BOOL true, no messages, neither START nor END) that stops the conversation's turn in flight:
@@ -54,11 +59,13 @@ REQUIRED_OUTPUTS = (PIECE, FINISH)
 #: The generation options' inputs, each optional: sent only when the option is set.
 OPTION_INPUTS = (
     MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STREAM_INTERVAL_MS, CONSTRAINT, PRESENCE_PENALTY,
-    FREQUENCY_PENALTY, REPETITION_PENALTY,
+    FREQUENCY_PENALTY, REPETITION_PENALTY, LOGPROBS,
 )  # fmt: skip
 #: Every input and output the packaged chat model declares.
 INPUTS = (*REQUIRED_INPUTS, *OPTION_INPUTS, STOP, DIGEST, CANCEL)
-OUTPUTS = (*REQUIRED_OUTPUTS, TOKENS, PROMPT_TOKENS, CONTEXT_TOKENS, DROPPED, LIVE, KV_BYTES, DIGEST, INPUT_TOKENS)
+OUTPUTS = (
+    *REQUIRED_OUTPUTS, TOKENS, PROMPT_TOKENS, CONTEXT_TOKENS, DROPPED, LIVE, KV_BYTES, DIGEST, INPUT_TOKENS, LOGPROBS,
+)  # fmt: skip
 
 #: The longest stream interval the server takes: the client refuses a longer one before sending.
 STREAM_INTERVAL_MAX_MS = 60000

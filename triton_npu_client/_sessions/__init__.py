@@ -11,6 +11,8 @@ from ._chat import (
     ChatReply,
     ChatSession,
     ChatState,
+    TokenLogprob,
+    TopLogprob,
     defer_chat,
     open_chat,
 )
@@ -27,6 +29,8 @@ __all__ = [
     "ChatState",
     "ResponseFormat",
     "SequenceSession",
+    "TokenLogprob",
+    "TopLogprob",
     "defer_chat",
     "defer_sequence",
     "new_sequence_id",

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import json
 import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -106,12 +107,16 @@ __all__ = [
     "ChatSession",
     "ChatState",
     "PieceDecoder",
+    "TokenLogprob",
+    "TopLogprob",
     "defer_chat",
     "open_chat",
 ]
 
 ROLES: Final = ("system", "user", "assistant")
 _INT32_MAX: Final = 2**31 - 1
+#: The most alternatives per token the server gives with a log-probability (OpenAI's top_logprobs cap).
+MAX_TOP_LOGPROBS: Final = 20
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 
@@ -218,6 +223,11 @@ def _check_repetition(_: object, __: object, value: Any) -> None:
         raise ChatOptionError("repetition_penalty", "a number in (0, 10] (1: off)", value)
 
 
+def _check_logprobs(_: object, __: object, value: Any) -> None:
+    if value is not None and not (_is_int(value) and 0 <= int(value) <= MAX_TOP_LOGPROBS):
+        raise ChatOptionError("logprobs", f"an int in 0..{MAX_TOP_LOGPROBS} (alternatives per token)", value)
+
+
 def _to_stop(value: Iterable[str] | None) -> Any:
     # Checked here, on the value as given (a validator would see it converted). A bare string is refused:
     # tuple("###") would silently be three stops.
@@ -246,6 +256,7 @@ class ChatOptionArgs(TypedDict, total=False):
     presence_penalty: float | None
     frequency_penalty: float | None
     repetition_penalty: float | None
+    logprobs: int | None
 
 
 _OPTION_NAMES: Final = ChatOptionArgs.__optional_keys__
@@ -272,6 +283,8 @@ class ChatOptions:
     ``presence_penalty`` and ``frequency_penalty`` in -2..2 (OpenAI's: subtracted from the logit of a token already
     in the reply, once / per time it appeared); ``repetition_penalty`` in (0, 10] (Hugging Face's: the logit of a
     token in the prompt or the reply divided by it where positive, multiplied where not; 1 is off).
+    ``logprobs`` in 0..20: each reply token's log-probability (the model's own distribution, before temperature,
+    penalties and ``response_format``) with that many most likely alternatives, on :attr:`ChatReply.logprobs`.
     Invalid values raise :class:`ChatOptionError` naming the option.
     """
 
@@ -287,6 +300,7 @@ class ChatOptions:
     presence_penalty: float | None = attrs.field(default=None, validator=_check_penalty("presence_penalty"))
     frequency_penalty: float | None = attrs.field(default=None, validator=_check_penalty("frequency_penalty"))
     repetition_penalty: float | None = attrs.field(default=None, validator=_check_repetition)
+    logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)
 
     def __attrs_post_init__(self) -> None:
         if self.min_tokens is not None and self.max_tokens and self.min_tokens > self.max_tokens:
@@ -325,7 +339,42 @@ class ChatOptions:
         ):  # fmt: skip
             if value is not None:
                 out[name] = np.array([value], np.float32)
+        if self.logprobs is not None:
+            out[proto.LOGPROBS] = np.array([self.logprobs], np.int32)
         return out
+
+
+@attrs.frozen
+class TopLogprob:
+    """One alternative to a reply token: its text (its bytes decoded, U+FFFD where they cut a character), its raw
+    ``bytes`` and its ``logprob``."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+
+
+@attrs.frozen
+class TokenLogprob:
+    """One reply token's log-probability (:attr:`ChatReply.logprobs`), with its ``top`` most likely alternatives."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+def _logprob_entries(raw: bytes) -> list[TokenLogprob]:
+    """A LOGPROBS output (the server's JSON entries) as values."""
+    out = []
+    for entry in json.loads(raw):
+        b = bytes.fromhex(entry["b"])
+        top = tuple(
+            TopLogprob(bytes.fromhex(h).decode("utf-8", "replace"), bytes.fromhex(h), float(lp))
+            for _, h, lp in entry["top"]
+        )
+        out.append(TokenLogprob(b.decode("utf-8", "replace"), b, float(entry["lp"]), top))
+    return out
 
 
 @attrs.frozen(kw_only=True)
@@ -354,6 +403,8 @@ class ChatReply:
     elapsed_s: float
     replayed: bool = False
     input_tokens: int = 0
+    #: With ``logprobs``: each reply token's log-probability (a stop string's tokens included), else None.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -578,7 +629,7 @@ def _check_options_fit(spec: ModelSpec, options: ChatOptions) -> None:
     """A set option needs its input on the model: a model from before STREAM_INTERVAL_MS would refuse the request."""
     for option, name in (
         ("presence_penalty", proto.PRESENCE_PENALTY), ("frequency_penalty", proto.FREQUENCY_PENALTY),
-        ("repetition_penalty", proto.REPETITION_PENALTY),
+        ("repetition_penalty", proto.REPETITION_PENALTY), ("logprobs", proto.LOGPROBS),
     ):  # fmt: skip
         if getattr(options, option) is not None and spec.input(name) is None:
             raise ChatOptionError(
@@ -982,6 +1033,7 @@ class ChatSession:
             inputs[proto.DIGEST] = np.array([self._digest.encode()], dtype=object)
         decoder = PieceDecoder()
         parts: list[str] = []
+        logprobs: list[TokenLogprob] | None = None if options.logprobs is None else []
         first_at: float | None = None
         committed = False
         # The server rolls a turn back when it is cancelled or times out: neither is a loss.
@@ -993,6 +1045,8 @@ class ChatSession:
                 finish_reason = finish.decode("utf-8", "replace") if isinstance(finish, bytes) else ""
                 piece = _scalar(result, proto.PIECE)
                 text = decoder.feed(piece) if isinstance(piece, bytes) and piece else ""
+                if logprobs is not None and isinstance(lp := _scalar(result, proto.LOGPROBS), bytes) and lp:
+                    logprobs.extend(_logprob_entries(lp))
                 if finish_reason:
                     text += decoder.flush()
                 if text:
@@ -1032,6 +1086,7 @@ class ChatSession:
                             time_to_first_token_s=None if first_at is None else first_at - started,
                             elapsed_s=now - started,
                             replayed=replayed,
+                            logprobs=None if logprobs is None else tuple(logprobs),
                         ),
                     )
                 if text:

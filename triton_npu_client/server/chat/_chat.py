@@ -60,7 +60,9 @@ The engine knows nothing of Triton: responses and refusals are built by callback
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import json
 import math
 import os
 import threading
@@ -113,6 +115,8 @@ _EXITS: Final[dict[str, TurnStatus]] = {
     "cancelled": "cancelled", "superseded": "superseded", "failed": "failed", "shutdown": "shutdown",
 }  # fmt: skip
 RefusalKind = Literal["invalid", "capacity", "unknown"]
+#: The most alternatives a token's log-probability may come with (OpenAI's top_logprobs cap).
+MAX_TOP_LOGPROBS: Final = 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,12 +170,13 @@ class TurnOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: off)
 
     def __post_init__(self) -> None:
         problems = []
         if self.max_tokens < 0:
             problems.append(f"MAX_TOKENS must be >= 1, or 0 for no cap, got {self.max_tokens}")
-        if self.min_tokens < 0 or (self.max_tokens and self.min_tokens > self.max_tokens):
+        if self.min_tokens < 0 or (self.max_tokens > 0 and self.min_tokens > self.max_tokens):
             problems.append(f"MIN_TOKENS must be in 0..MAX_TOKENS ({self.max_tokens}), got {self.min_tokens}")
         if not 0 <= self.temperature < math.inf:  # also refuses NaN
             problems.append(f"TEMPERATURE must be a finite number >= 0, got {self.temperature}")
@@ -182,6 +187,8 @@ class TurnOptions:
         for name, value in (("PRESENCE_PENALTY", self.presence_penalty), ("FREQUENCY_PENALTY", self.frequency_penalty)):
             if not -2 <= value <= 2:  # also refuses NaN
                 problems.append(f"{name} must be in -2..2, got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"LOGPROBS must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token), got {self.logprobs}")
         if not 0 < self.repetition_penalty <= 10:
             problems.append(f"REPETITION_PENALTY must be in (0, 10] (1: off), got {self.repetition_penalty}")
         if any(not s for s in self.stop):
@@ -218,6 +225,8 @@ class ChatResponse:
     #: The whole prompt this turn's reply is conditioned on (the conversation's rendered tokens), however much of it
     #: the cache held already: what an API bills as input. Filled on the last response.
     input_tokens: int = 0
+    #: With LOGPROBS: the log-probabilities of the tokens this response completes, as JSON (``ChatEngine``).
+    logprobs: str = ""
 
 
 Messages = tuple[tuple[str, str], ...]  # (role, text), oldest first
@@ -290,6 +299,12 @@ class ChatTurn:
     needs_pass: bool = False  # its reply took next_token: a decode pass must feed it before the next is taken
     # Set by step.
     reply_ids: list[int] = field(default_factory=list)
+    # With LOGPROBS: the log-probabilities of the token sampled last (next_token's), then of each reply token, with
+    # where each token's bytes end in `reply`, and how many entries went out.
+    next_logprob: tuple[float, list[tuple[int, float]]] | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    token_ends: list[int] = field(default_factory=list)
+    logprobs_sent: int = 0
     reply: bytearray = field(default_factory=bytearray)
     sent: int = 0  # bytes of `reply` already streamed
     sent_at: float | None = None  # when the last piece went out (None: none yet)
@@ -414,6 +429,7 @@ class ChatEngine:
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
         repetition_penalty: float | None = None,
+        logprobs: int | None = None,
         key: CorrelationId | None = None,
     ) -> ChatTurn:
         """Build one request's job from its inputs, its prompt rendered; ``ValueError`` naming the input.
@@ -493,6 +509,7 @@ class ChatEngine:
             presence_penalty=0.0 if presence_penalty is None else float(presence_penalty),
             frequency_penalty=0.0 if frequency_penalty is None else float(frequency_penalty),
             repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+            logprobs=None if logprobs is None else int(logprobs),
         )
         # Compiled here too (once per distinct constraint): the loop's thread only fills masks.
         matcher = None if options.constraint is None else self.constraints.matcher(options.constraint)
@@ -617,6 +634,9 @@ class ChatEngine:
         except BaseException:
             for turn, (n_ids, tail, consumed) in zip(turns, before, strict=True):
                 del turn.reply_ids[n_ids:]
+                if turn.next_logprob is not None:
+                    del turn.logprobs[n_ids:]
+                    del turn.token_ends[n_ids:]
                 turn.reply[turn.sent :] = tail
                 turn.ending = None
                 turn.needs_pass = False
@@ -644,6 +664,10 @@ class ChatEngine:
                     raise ValueError(f"the constraint refused token {token} that its mask allowed: {matcher.error}")
                 turn.reply_ids.append(token)
                 turn.reply += self._piece(token, first=len(turn.reply_ids) == 1)
+                if turn.next_logprob is not None:
+                    chosen, top = turn.next_logprob
+                    turn.logprobs.append((token, chosen, top))
+                    turn.token_ends.append(len(turn.reply))
                 cut = _find_stop(turn.reply, options.stop, turn.sent)
                 if cut is not None:
                     del turn.reply[cut:]
@@ -839,6 +863,7 @@ class ChatEngine:
                 temperature=0.0 if options.greedy else options.temperature, top_k=options.top_k,
                 top_p=options.top_p, seed=seed, min_tokens=options.min_tokens, presence=options.presence_penalty,
                 frequency=options.frequency_penalty, repetition=options.repetition_penalty,
+                logprobs=-1 if options.logprobs is None else options.logprobs,
             )  # fmt: skip
         turn.prompt_tokens = len(todo)
         pending = _Prefill(turn=turn, table=table, start=start, todo=todo)
@@ -889,6 +914,7 @@ class ChatEngine:
         ]  # fmt: skip
         tokens = self.runner.prefill(values)
         self.prefill_forwards += 1
+        _keep_logprobs([p.turn for p in rows], self.runner.last_logprobs)
         for p, value, token in zip(rows, values, tokens, strict=True):
             end = p.start + len(p.todo)
             self.cache.commit(p.table, p.start, p.todo)
@@ -934,6 +960,7 @@ class ChatEngine:
         appended: list[tuple[int, int, int]] = []
         width = 1
         sampled = filtered = min_tokens = penalized = False
+        logprobs = -1
         convs = [self._conversations[t.slot] for t in turns]  # before the pass: a missing one changes nothing
         for turn, conv in zip(turns, convs, strict=True):
             table = conv.table
@@ -946,6 +973,7 @@ class ChatEngine:
                 filtered |= not s.greedy and s.filtered
                 min_tokens |= len(turn.reply_ids) < s.min_tokens
                 penalized |= s.penalized
+                logprobs = max(logprobs, s.logprobs)
         matchers = [t.matcher for t in turns]
         # Unconstrained batches (the usual) build no mask and run the pass without its masking.
         masks = fill_masks(matchers, self.constraints.words) if any(m is not None for m in matchers) else None
@@ -954,12 +982,13 @@ class ChatEngine:
             width=width,
             flags=SamplingFlags(
                 sampled=sampled, filtered=filtered, min_tokens=min_tokens, constrained=masks is not None,
-                penalized=penalized,
+                penalized=penalized, logprobs=logprobs,
             ),
             appended=tuple(appended),
             masks=masks,
         )
         tokens = self.runner.decode(batch)
+        _keep_logprobs(turns, self.runner.last_logprobs)
         # The pass went through: each table holds its input token, and the rows know their blocks.
         for turn, conv, token in zip(turns, convs, tokens, strict=True):
             self.cache.commit(conv.table, conv.table.length, [turn.reply_ids[-1]])
@@ -997,8 +1026,28 @@ class ChatEngine:
                 0 if turn.prompt is None else turn.prompt.dropped,
                 digest=EMPTY if conv is None or not turn.finish else conv.digest,
                 input_tokens=0 if turn.prompt is None else len(turn.prompt.ids),
+                logprobs=self._logprobs_out(turn),
             )
         )
+
+    def _logprobs_out(self, turn: ChatTurn) -> str:
+        """The log-probabilities of the tokens whose bytes went out with this response, as JSON ("" when none).
+
+        A token goes with the response that completes its bytes; the last response takes every token left (also
+        one a stop string cut into). Each: ``{"id", "b" (its bytes, hex), "lp", "top": [[id, bytes hex, lp]...]}``.
+        """
+        if turn.options is None or turn.options.logprobs is None:
+            return ""
+        end = len(turn.logprobs) if turn.finish else bisect.bisect_right(turn.token_ends, turn.sent)
+        if end <= turn.logprobs_sent:
+            return ""
+        table = self.tokenizer.token_bytes
+        entries = [
+            {"id": t, "b": table[t].hex(), "lp": lp, "top": [[i, table[i].hex(), v] for i, v in top]}
+            for t, lp, top in turn.logprobs[turn.logprobs_sent : end]
+        ]
+        turn.logprobs_sent = end
+        return json.dumps(entries, separators=(",", ":"))
 
     def _response(
         self,
@@ -1011,6 +1060,7 @@ class ChatEngine:
         *,
         digest: str = EMPTY,
         input_tokens: int = 0,
+        logprobs: str = "",
     ) -> ChatResponse:
         return ChatResponse(
             piece=piece,
@@ -1024,7 +1074,20 @@ class ChatEngine:
             kv_bytes=self.kv_bytes if finish else 0,
             digest=digest,
             input_tokens=input_tokens if finish else 0,
+            logprobs=logprobs,
         )
+
+
+def _keep_logprobs(turns: Sequence[ChatTurn], rows: list[tuple[float, list[tuple[int, float]]]] | None) -> None:
+    """Each turn that asked for them keeps the log-probabilities of the token its pass just sampled."""
+    for i, turn in enumerate(turns):
+        row = None if rows is None else rows[i]
+        options = turn.options
+        if row is None or options is None or options.logprobs is None:
+            turn.next_logprob = None
+            continue
+        chosen, top = row
+        turn.next_logprob = (chosen, top[: options.logprobs])
 
 
 #: Prompts this short (a conversation's next turn, usually) are prefilled together; longer ones alone, at once.

@@ -84,6 +84,7 @@ class ChatModel:
         # INPUT_TOKENS came later than the other counts: a config written before it does not declare it, and a
         # response may carry only the outputs its config declares.
         self._input_tokens = any(o.get("name") == "INPUT_TOKENS" for o in config.get("output") or [])
+        self._logprobs = any(o.get("name") == proto.LOGPROBS for o in config.get("output") or [])
 
         def param(key: str, default: str) -> str:
             return model_parameter(config, key) or default
@@ -267,10 +268,12 @@ class ChatModel:
         def one(name: str, value: object, dtype: Any) -> Any:
             return pb.Tensor(name, np.array([[value]], dtype=dtype))
 
+        # Only for a turn that asked (and a config that declares it).
+        extra = [one(proto.LOGPROBS, r.logprobs.encode(), np.object_)] if r.logprobs and self._logprobs else []
         if not r.finish:
             # A response in mid-turn carries its piece alone: it is sent once per token per conversation, and
             # every tensor costs the stub, Triton and the client a serialisation. The last one says it all.
-            return pb.InferenceResponse(output_tensors=[one("PIECE", r.piece, np.object_)])
+            return pb.InferenceResponse(output_tensors=[one("PIECE", r.piece, np.object_), *extra])
         return pb.InferenceResponse(
             output_tensors=[
                 one("PIECE", r.piece, np.object_),
@@ -283,6 +286,7 @@ class ChatModel:
                 one("KV_BYTES", r.kv_bytes, np.int64),
                 one("DIGEST", r.digest.encode(), np.object_),
                 *([one("INPUT_TOKENS", r.input_tokens, np.int32)] if self._input_tokens else []),
+                *extra,
             ]
         )
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from ._attention import Attention, write_index
 from ._decoders import Decoder, forward
-from ._sampling import GREEDY_BELOW, Penalties, SamplingFlags, sample
+from ._sampling import GREEDY_BELOW, Penalties, SamplingFlags, logprob_rows, sample
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +71,7 @@ class RowSampling:
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
+    logprobs: int = -1  # alternatives wanted with each token's log-probability (0: none; -1: no log-probabilities)
 
     @property
     def penalized(self) -> bool:
@@ -170,6 +171,9 @@ class ModelRunner:
         self._key_positions = torch.arange(self.max_blocks * blocks.block_size, device=device)
         self._rows_cache: tuple[tuple[int, ...], int, torch.Tensor] | None = None
         self._rows_count = rows
+        #: After each prefill or decode call with log-probabilities asked: per row, (log-probability of the chosen id,
+        #: the top ids and theirs); None when no row asked.
+        self.last_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
         # Penalties' state, allocated at the first penalized turn (two [slots, vocab] tables: 1 MiB for 64 slots of
         # the demo's 4,096 ids, 40 MiB for a 128k vocabulary): each slot's counts of the ids in its reply so far and
         # the ids of its prompt, and its three penalties.
@@ -241,6 +245,7 @@ class ModelRunner:
             min_tokens=any(s.min_tokens > 0 for s in samplings),
             constrained=masks is not None,
             penalized=penalties is not None,
+            logprobs=max(s.logprobs for s in samplings),
         )
         ids = sample(
             logits[:, : self.vocab],
@@ -255,7 +260,19 @@ class ModelRunner:
             masks=masks,
             penalties=penalties,
         )
-        return _checked(ids.tolist())
+        if flags.logprobs < 0:
+            self.last_logprobs = None
+            return _checked(ids.tolist())
+        return self._split(logprob_rows(logits[:, : self.vocab], ids, flags.logprobs))
+
+    def _split(self, packed: torch.Tensor) -> list[int]:
+        """The ids of a pass's packed output (``logprob_rows``), its log-probabilities kept in ``last_logprobs``."""
+        host = packed.tolist()  # the pass's one device-to-host copy
+        ids = _checked([int(r[0]) for r in host])
+        top = (len(host[0]) - 2) // 2 if host else 0
+        self.last_logprobs = [(r[1], [(int(i), v) for i, v in zip(r[2 : 2 + top], r[2 + top :], strict=True)])
+                              for r in host]  # fmt: skip
+        return ids
 
     def join(self, row: PrefillRow, token: int, blocks: Sequence[int]) -> None:
         """Write slot ``row.slot``'s decode row: ``token`` (sampled by its prefill) goes next, after ``row.ids``."""
@@ -318,9 +335,14 @@ class ModelRunner:
         width = self.max_blocks if self.compile == "cuda-graphs" else batch.width
         masks = self._masks(batch, int(rows.shape[0])) if batch.flags.constrained else None
         with _flush_to_zero():
-            ids = self.decode_pass(rows, width, batch.flags, masks)
-        live = ids[:n]
-        host = _checked(live.tolist())  # the pass's one device-to-host copy
+            out = self.decode_pass(rows, width, batch.flags, masks)
+        if batch.flags.logprobs < 0:
+            live = out[:n]
+            host = _checked(live.tolist())  # the pass's one device-to-host copy
+            self.last_logprobs = None
+        else:
+            host = self._split(out[:n])
+            live = out[:n, 0].to(self.tokens.dtype)
         self._advance(rows[:n], live)
         self.decode_passes += 1
         return host
@@ -375,7 +397,9 @@ class ModelRunner:
         flags: SamplingFlags,
         masks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.pass_outputs(rows, tables, key_positions, flags, masks)[1]
+        logits, ids = self.pass_outputs(rows, tables, key_positions, flags, masks)
+        # With log-probabilities asked the pass returns them packed with the ids (one output, one copy to the host).
+        return ids if flags.logprobs < 0 else logprob_rows(logits, ids, flags.logprobs)
 
     def pass_outputs(
         self,

@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GREEDY_BELOW", "Penalties", "SamplingFlags", "allowed_ids", "exponential_noise", "penalize", "sample"]
+__all__ = [
+    "GREEDY_BELOW", "Penalties", "SamplingFlags", "allowed_ids", "exponential_noise", "logprob_rows", "penalize",
+    "sample",
+]
 
 #: A temperature below this is greedy (vLLM's epsilon): dividing logits by a smaller one overflows them to inf.
 GREEDY_BELOW: Final = 1e-5
@@ -40,6 +43,7 @@ class SamplingFlags:
     ``sampled``: some row is not greedy. ``filtered``: some sampled row has top-k or top-p. ``min_tokens``: some row
     may not end yet (its stop ids are masked). ``constrained``: some row has a constraint (a token bitmask per row).
     ``penalized``: some row has a presence, frequency or repetition penalty (its token counts are read).
+    ``logprobs``: the most alternatives some row asks for (0: the chosen token's only; -1: no row asks).
     """
 
     sampled: bool = False
@@ -47,6 +51,22 @@ class SamplingFlags:
     min_tokens: bool = False
     constrained: bool = False
     penalized: bool = False
+    logprobs: int = -1
+
+
+def logprob_rows(logits: torch.Tensor, ids: torch.Tensor, top: int) -> torch.Tensor:
+    """``[rows, 2 + 2 * top]`` float64: each row's chosen id, its log-probability, then its ``top`` most likely ids
+    and theirs, from the log-softmax of ``logits`` (the model's own distribution, before temperature, penalties and
+    masks: what vLLM returns by default). One tensor, so that the host reads it in the pass's one copy."""
+    import torch
+
+    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    chosen = lp.gather(1, ids.clamp_min(0)[:, None])
+    parts = [ids[:, None].to(torch.float64), chosen.to(torch.float64)]
+    if top > 0:
+        values, where = lp.topk(top, dim=-1)
+        parts += [where.to(torch.float64), values.to(torch.float64)]
+    return torch.cat(parts, dim=1)
 
 
 @dataclass(frozen=True, slots=True)
