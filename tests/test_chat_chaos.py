@@ -3,12 +3,15 @@ actions at once; afterwards nobody was harmed by anybody else.
 
 Actions: send a turn; read k pieces then cancel; time out mid-turn; close mid-turn (cancel, then close at once, what
 ``async with`` does on Ctrl-C); hostile values (a temperature of 1e-39, a 10 MB message, 200 stop strings of 10 KB);
+constrained turns (a JSON schema or a regex: the reply must be valid; some cancelled mid-reply, which must leave no
+trace, and constraints that do not compile, refused), sampled turns with penalties;
 open a chat and never send; and, on ``chat_small`` (two slots, the longest-idle conversation evicted at once),
 conversations that lose their slot to each other and replay their history.
 
 Invariants, checked after every run:
 - every turn that finished got exactly the reply a solo replay of its own recorded history gives on
-  ``chat_stateless`` (greedy: the same model and weights, keeping nothing);
+  ``chat_stateless`` (greedy, or sampled with its seed: the same model and weights, keeping nothing; a constrained turn
+  with its constraint);
 - no conversation failed because of another: every error is the one its own action asked for;
 - the server's ``LIVE`` and ``KV_BYTES`` (read with a one-request probe) return to their baseline.
 
@@ -22,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import os
 import random
+import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +45,7 @@ from triton_npu_client import (
     LocalTriton,
     Model,
     RequestTimeout,
+    ResponseFormat,
     SequenceCapacityError,
 )
 
@@ -48,7 +54,18 @@ RUNS = int(os.environ.get("TNC_CHAOS_RUNS", "1"))
 CONVERSATIONS = int(os.environ.get("TNC_CHAOS_CONVERSATIONS", "24"))
 SMALL_CONVERSATIONS = 4  # on chat_small's two slots: every turn may evict another conversation
 WORDS = ("tea", "garden", "letter", "ball", "rain", "village", "sister", "carriage", "novel", "dinner", "walk")
-ACTIONS = ("send", "cancel", "timeout", "close_mid_turn", "temperature_tiny", "huge_message", "many_stops", "idle")
+ACTIONS = (
+    "send", "cancel", "timeout", "close_mid_turn", "temperature_tiny", "huge_message", "many_stops", "idle",
+    "constrained", "constrained_cancel", "bad_constraint", "penalized",
+)  # fmt: skip
+PERSON: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 99}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+FORMATS = (ResponseFormat.json_schema(PERSON), ResponseFormat.regex(r"(yes|no), [a-z]{2,6}\."))
 
 
 @dataclass
@@ -160,6 +177,28 @@ async def conversation(model: Model, rng: random.Random, tally: Tally, index: in
                         tally.outcomes["refused: stop strings"] += 1
                     else:
                         tally.violations.append(f"conversation {index}: 200 stop strings of 10 KB were not refused")
+                elif action == "constrained":
+                    fmt = rng.choice(FORMATS)
+                    await finish_turn(chat, tally, text, response_format=fmt, max_tokens=60, temperature=0.9,
+                                      seed=rng.randrange(1 << 30))
+                    reply = tally.finished[-1].reply
+                    valid = (set(json.loads(reply)) == {"name", "age"}) if fmt.kind == "json_schema" else (
+                        re.fullmatch(str(fmt.pattern), reply) is not None)
+                    if not valid:
+                        tally.violations.append(f"conversation {index}: {reply!r} is not valid for {fmt.kind}")
+                elif action == "constrained_cancel":
+                    await read_then_stop(chat, tally, text, rng.randint(1, 3), response_format=FORMATS[0],
+                                         max_tokens=60, temperature=1.0, seed=rng.randrange(1 << 30))
+                elif action == "bad_constraint":
+                    try:
+                        await chat.ask(text, response_format=ResponseFormat.regex("(unclosed"))
+                    except InvalidArgumentError:
+                        tally.outcomes["refused: constraint"] += 1
+                    else:
+                        tally.violations.append(f"conversation {index}: a regex that does not compile was taken")
+                elif action == "penalized":
+                    await finish_turn(chat, tally, text, temperature=0.8, seed=rng.randrange(1 << 30),
+                                      presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3)
                 elif action == "idle":
                     tally.outcomes["idle"] += 1  # a chat that is open and sends nothing this step
             except Exception as err:
@@ -243,8 +282,12 @@ async def solo_reply(stateless: Model, done: Finished) -> str:
         "TEXT": np.array([m.text.encode() for m in messages], dtype=np.object_),
     }
     for name, value in done.options.items():
-        if name == "temperature":
-            inputs["TEMPERATURE"] = np.array([value], np.float32)
+        if name == "response_format":
+            inputs["CONSTRAINT"] = np.array([value.wire().encode()], dtype=np.object_)
+        elif name == "seed":
+            inputs["SEED"] = np.array([value], np.int64)
+        elif name in ("temperature", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            inputs[name.upper()] = np.array([value], np.float32)
         else:
             inputs[name.upper()] = np.array([value], np.int32)
     reply = b""
