@@ -161,9 +161,6 @@ CHAT_REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("top_logprobs", {"top_logprobs": 3}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("tool_choice", {"tool_choice": "required"}),
-    ("response_format", {"response_format": {"type": "json_object"}}),
-    ("presence_penalty", {"presence_penalty": 0.5}),
-    ("frequency_penalty", {"frequency_penalty": 0.5}),
     ("logit_bias", {"logit_bias": {"50256": -100}}),
     ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("store", {"store": True}),
@@ -175,7 +172,7 @@ CHAT_REFUSED: list[tuple[str, dict[str, Any]]] = [
 ]  # fmt: skip
 RESPONSES_REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("tools", {"tools": [{"type": "web_search"}]}),
-    ("text", {"text": {"format": {"type": "json_object"}}}),
+    ("text.verbosity", {"text": {"format": {"type": "text"}, "verbosity": "high"}}),
     ("reasoning", {"reasoning": {"effort": "high"}}),
     ("background", {"background": True}),
     ("include", {"include": ["message.output_text.logprobs"]}),

@@ -60,6 +60,7 @@ from ._schema import (
     chat_request,
     conversation_request,
     embedding_request,
+    format_echo,
     response_request,
 )
 from ._store import MemoryStore, ResponseStore, StoredConversation, StoredResponse
@@ -721,7 +722,7 @@ class Gateway:
             "store": req.store,
             "temperature": req.generation.temperature,
             "top_p": req.generation.top_p,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": format_echo(req.generation.response_format)},
             "tool_choice": "none",
             "tools": [],
             "truncation": req.truncation,

@@ -4,10 +4,10 @@ Each endpoint's body is read by one function (:func:`chat_request`, :func:`embed
 :func:`response_request`, :func:`conversation_request`). The rules, the same for all:
 
 - **Known parameters only.** A parameter this gateway implements is checked (type, range, caps); one it does not
-  implement (``n`` > 1, ``logprobs``, ``tools``, ``response_format`` other than text, images, audio, ...) is refused
+  implement (``n`` > 1, ``logprobs``, ``tools``, images, audio, ...) is refused
   with a 400 that names it, never ignored; a parameter OpenAI does not define is refused the way OpenAI refuses it.
   A refused parameter given at its neutral value (``n: 1``, ``logprobs: false``, ``tools: []``,
-  ``presence_penalty: 0``) is accepted: it asks for nothing.
+  ``logit_bias: {}``) is accepted: it asks for nothing.
 - **Caps before cost.** Message counts, text bytes, stop strings and embedding inputs are capped here (see
   :class:`Limits`), so an absurd request is refused before it reaches a replica.
 - **Text only.** Content is a string or a list of text parts; any other part type is refused.
@@ -21,7 +21,9 @@ from typing import Any, Final
 
 import attrs
 
-from .._sessions import ChatMessage
+from .._errors import ChatOptionError
+from .._sessions import ChatMessage, ResponseFormat
+from .._sessions._constraint import as_response_format
 from ._errors import APIError, invalid, refused
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "chat_request",
     "conversation_request",
     "embedding_request",
+    "format_echo",
     "response_request",
 ]
 
@@ -65,10 +68,18 @@ class Generation:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] | None = None
+    response_format: ResponseFormat | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
 
     def options(self) -> dict[str, Any]:
-        """Keyword arguments for ``ChatSession.send``: only the options given."""
-        return {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        """Keyword arguments for ``ChatSession.send``: only the options given. No output cap given is no cap (the
+        SDK's ``max_tokens=0``): the reply may run to the end of the context, as OpenAI's do, and the response says
+        ``max_output_tokens: null`` because none applied."""
+        given = {k: v for k, v in attrs.asdict(self, recurse=False).items() if v is not None}
+        given.setdefault("max_tokens", 0)
+        return given
 
 
 @attrs.frozen(kw_only=True)
@@ -200,8 +211,6 @@ _NEUTRAL: Final[dict[str, Any]] = {
     "top_logprobs": 0,
     "tools": [],
     "functions": [],
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
     "logit_bias": {},
     "parallel_tool_calls": False,
     "background": False,
@@ -221,8 +230,6 @@ _REFUSED_WHAT: Final[dict[str, str]] = {
     "max_tool_calls": "tool calling",
     "response_format": "a response format other than text",
     "text": "a text format other than plain text",
-    "presence_penalty": "presence penalties",
-    "frequency_penalty": "frequency penalties",
     "logit_bias": "logit biases",
     "audio": "audio output",
     "modalities": "modalities other than text",
@@ -354,9 +361,49 @@ def _body(body: object) -> Mapping[str, Any]:
 
 # --- the endpoints -------------------------------------------------------------------------------------------------
 
+#: OpenAI's penalties, and vLLM's repetition_penalty (what clients send it as an extra body field).
+_PENALTY_KEYS: Final = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _response_format(param: str, value: object) -> ResponseFormat | None:
+    """A ``response_format`` (Chat Completions) or ``text.format`` (Responses, whose json_schema is flat) value."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid(param, f"{param}: expected an object with a 'type', given {_kind(value)}")
+    kind = value.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise invalid(param, f"{param}.type: expected 'text', 'json_object' or 'json_schema', given {_shown(kind)}")
+    if kind == "json_schema":
+        holder = value.get("json_schema", value)
+        if not isinstance(holder, dict) or not isinstance(holder.get("schema"), dict):
+            raise invalid(param, f"{param}: a json_schema format needs 'schema', a JSON schema object")
+    try:
+        return as_response_format(value)
+    except ChatOptionError as err:
+        raise invalid(param, f"{param}: expected {err.expected}, given {_shown(err.given)}") from None
+
+
+def format_echo(fmt: ResponseFormat | None) -> dict[str, Any]:
+    """``text.format`` as a response shows it: the format the turn ran under."""
+    if fmt is None:
+        return {"type": "text"}
+    if fmt.kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "name": fmt.name or "response", "schema": fmt.schema, "strict": fmt.strict,
+            "description": None}  # fmt: skip
+
+
+def _penalties(body: Mapping[str, Any]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key in ("presence_penalty", "frequency_penalty"):
+        out[key] = _number(body, key, -2.0, 2.0)
+    out["repetition_penalty"] = _number(body, "repetition_penalty", 0.0, 10.0, open_low=True)
+    return out
+
 _CHAT_KEYS: Final = frozenset(
     {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user",
-     "stream", "stream_options", "metadata", "store"}
+     "stream", "stream_options", "metadata", "store", "response_format", *_PENALTY_KEYS}
 )  # fmt: skip
 _CHAT_PARTS: Final = frozenset({"text"})
 
@@ -396,20 +443,27 @@ def chat_request(raw: object, limits: Limits) -> ChatRequest:
     return ChatRequest(
         model=model,
         messages=tuple(messages),
-        generation=_generation(body, ("max_completion_tokens", "max_tokens"), limits),
+        generation=_generation(
+            body, ("max_completion_tokens", "max_tokens"), limits,
+            _response_format("response_format", body.get("response_format")),
+        ),
         stream=stream,
         include_usage=include_usage,
         user=_str(body, "user"),
     )
 
 
-def _generation(body: Mapping[str, Any], max_keys: Sequence[str], limits: Limits) -> Generation:
+def _generation(
+    body: Mapping[str, Any], max_keys: Sequence[str], limits: Limits, response_format: ResponseFormat | None = None
+) -> Generation:
     return Generation(
         max_tokens=_max_tokens(body, max_keys, limits),
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, open_low=True),
         seed=_int(body, "seed", -_INT64_MAX - 1, _INT64_MAX),
         stop=_stop(body, limits),
+        response_format=response_format,
+        **_penalties(body),
     )
 
 
@@ -448,7 +502,7 @@ def embedding_request(raw: object, limits: Limits) -> EmbeddingRequest:
 _RESPONSE_KEYS: Final = frozenset(
     {"model", "input", "instructions", "previous_response_id", "conversation", "max_output_tokens", "temperature",
      "top_p", "seed", "stop", "stream", "store", "metadata", "user", "truncation", "prompt_cache_key",
-     "safety_identifier", "stream_options"}
+     "safety_identifier", "stream_options", "text", *_PENALTY_KEYS}
 )  # fmt: skip
 _INPUT_PARTS: Final = frozenset({"input_text", "output_text", "text"})
 
@@ -467,6 +521,17 @@ def _items(where: str, value: object, limits: Limits) -> tuple[list[ChatMessage]
         part = "output_text" if m.role == "assistant" else "input_text"
         items.append({"type": "message", "role": role, "content": [{"type": part, "text": m.text}]})
     return messages, items
+
+
+def _text_format(value: object) -> ResponseFormat | None:
+    """Responses' ``text``: ``{"format": {...}}`` (and a ``verbosity`` of medium, the only one there is here)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"format", "verbosity"}:
+        raise invalid("text", f"text: expected an object with a 'format', given {_shown(value)}")
+    if value.get("verbosity") not in (None, "medium"):
+        raise refused("text.verbosity", "verbosity other than medium")
+    return _response_format("text.format", value.get("format"))
 
 
 def response_request(raw: object, limits: Limits) -> ResponseRequest:
@@ -514,7 +579,7 @@ def response_request(raw: object, limits: Limits) -> ResponseRequest:
         instructions=instructions,
         previous_response_id=previous,
         conversation=conversation,
-        generation=_generation(body, ("max_output_tokens",), limits),
+        generation=_generation(body, ("max_output_tokens",), limits, _text_format(body.get("text"))),
         stream=_bool(body, "stream", False),
         store=_bool(body, "store", True),
         metadata=_metadata(body, limits),

@@ -1,0 +1,149 @@
+"""Structured outputs, penalties and the output cap through the gateway, driven by the real ``openai`` client.
+
+``chat.completions.parse`` and ``responses.parse`` (a pydantic model turned into a strict JSON schema by the openai
+package), ``response_format`` ``json_object`` / ``json_schema`` and Responses' ``text.format``, against the demo
+chat model, whose free text is near gibberish: a reply that validates does so because the server constrained it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx2 as httpx
+import jsonschema
+import openai
+import pytest
+from openai import AsyncOpenAI
+from pydantic import BaseModel, Field
+
+from triton_npu_client import Client, LocalTriton
+from triton_npu_client._gateway import OpenAIGateway
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=10)
+    age: int = Field(ge=0, le=99)
+
+
+#: At least 12 people: a reply far longer than the engine's default cap of 64 tokens.
+CROWD: dict[str, Any] = {
+    "type": "array",
+    "items": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False},
+    "minItems": 12, "maxItems": 12,
+}  # fmt: skip
+
+
+@pytest.fixture
+async def client(triton_server: LocalTriton) -> AsyncIterator[Client]:
+    async with Client(triton_server.grpc_url, timeout_s=120) as c:
+        yield c
+
+
+@pytest.fixture
+async def gateway(client: Client) -> AsyncIterator[OpenAIGateway]:
+    async with OpenAIGateway(client, port=0) as gw:
+        yield gw
+
+
+@pytest.fixture
+async def oa(gateway: OpenAIGateway) -> AsyncIterator[AsyncOpenAI]:
+    async with AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+async def test_chat_completions_parse_gives_a_valid_object(oa: AsyncOpenAI) -> None:
+    for seed in range(4):
+        done = await oa.chat.completions.parse(
+            model="chat", messages=[{"role": "user", "content": "Who is she?"}], response_format=Person,
+            temperature=1.0, seed=seed, max_tokens=80,
+        )  # fmt: skip
+        message = done.choices[0].message
+        assert isinstance(message.parsed, Person)
+        assert done.choices[0].finish_reason == "stop"
+
+
+async def test_responses_parse_and_text_format_echo(oa: AsyncOpenAI) -> None:
+    done = await oa.responses.parse(model="chat", input="Who is she?", text_format=Person, max_output_tokens=80)
+    assert isinstance(done.output_parsed, Person)
+    assert done.text.format is not None
+    assert done.text.format.type == "json_schema"
+    plain = await oa.responses.create(model="chat", input="Hello?", max_output_tokens=4)
+    assert plain.text.format is not None
+    assert plain.text.format.type == "text"
+
+
+async def test_json_object_and_a_streamed_json_schema(oa: AsyncOpenAI) -> None:
+    done = await oa.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "Tell me."}], max_tokens=40,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert (done.choices[0].message.content or "").startswith("{")
+    stream = await oa.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "Count."}], stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "crowd", "schema": CROWD, "strict": True}},
+    )  # fmt: skip
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    jsonschema.validate(json.loads(text), CROWD)
+
+
+async def test_no_cap_given_is_no_cap_and_the_response_says_so(oa: AsyncOpenAI) -> None:
+    """A reply the constraint makes longer than the engine's default cap (64 tokens) runs to its end: completed,
+    max_output_tokens null; a cap given is the one shown, and a reply cut by it is incomplete."""
+    fmt = {"format": {"type": "json_schema", "name": "crowd", "schema": CROWD, "strict": True}}
+    done = await oa.responses.create(model="chat", input="Count them.", text=fmt)  # type: ignore[arg-type]
+    assert done.status == "completed"
+    assert done.max_output_tokens is None
+    assert done.usage is not None
+    assert done.usage.output_tokens > 64
+    jsonschema.validate(json.loads(done.output_text), CROWD)
+    cut = await oa.responses.create(model="chat", input="Count them.", text=fmt, max_output_tokens=10)  # type: ignore[arg-type]
+    assert cut.status == "incomplete"
+    assert cut.max_output_tokens == 10
+    assert cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+
+
+async def test_penalties_reach_the_model(oa: AsyncOpenAI) -> None:
+    """presence_penalty and frequency_penalty (and vLLM's repetition_penalty as an extra body field) are taken and
+    change a greedy reply; out of range they are a 400 naming them."""
+    ask: dict[str, Any] = {"model": "chat", "messages": [{"role": "user", "content": "Tell me about the garden."}],
+                           "max_tokens": 24, "temperature": 0}
+    plain = await oa.chat.completions.create(**ask)
+    penalised = await oa.chat.completions.create(**ask, presence_penalty=2.0, frequency_penalty=2.0,
+                                                 extra_body={"repetition_penalty": 1.5})
+    again = await oa.chat.completions.create(**ask, presence_penalty=2.0, frequency_penalty=2.0,
+                                             extra_body={"repetition_penalty": 1.5})
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
+    assert penalised.choices[0].message.content == again.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as err:
+        await oa.chat.completions.create(**ask, presence_penalty=3)
+    assert err.value.body["param"] == "presence_penalty"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
+        ({"response_format": "json"}, "response_format", "object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wibble"}}}},
+         None, "does not compile"),
+    ],
+)
+async def test_a_bad_format_is_a_400_and_harms_nothing(
+    gateway: OpenAIGateway, oa: AsyncOpenAI, extra: dict[str, Any], param: str | None, words: str
+) -> None:
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{gateway.base_url}/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    if param is not None:
+        assert error["param"] == param
+    assert words in error["message"]
+    ok = await oa.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert ok.usage is not None
+    assert ok.usage.completion_tokens > 0
