@@ -157,8 +157,6 @@ async def test_a_model_of_the_wrong_kind_or_unknown_is_refused(oa: AsyncOpenAI) 
 
 CHAT_REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("n", {"n": 2}),
-    ("logprobs", {"logprobs": True}),
-    ("top_logprobs", {"top_logprobs": 3}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("tool_choice", {"tool_choice": "required"}),
     ("logit_bias", {"logit_bias": {"50256": -100}}),
@@ -175,8 +173,7 @@ RESPONSES_REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("text.verbosity", {"text": {"format": {"type": "text"}, "verbosity": "high"}}),
     ("reasoning", {"reasoning": {"effort": "high"}}),
     ("background", {"background": True}),
-    ("include", {"include": ["message.output_text.logprobs"]}),
-    ("top_logprobs", {"top_logprobs": 2}),
+    ("include", {"include": ["reasoning.encrypted_content"]}),
     ("input[0].type", {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}),
     ("input[0].content[0].type", {"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}),

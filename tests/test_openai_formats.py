@@ -147,3 +147,36 @@ async def test_a_bad_format_is_a_400_and_harms_nothing(
     ok = await oa.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert ok.usage is not None
     assert ok.usage.completion_tokens > 0
+
+
+async def test_chat_logprobs_whole_and_streamed(oa: AsyncOpenAI) -> None:
+    ask: dict[str, Any] = {"model": "chat", "messages": [{"role": "user", "content": "Where?"}], "max_tokens": 8,
+                           "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    done = await oa.chat.completions.create(**ask)
+    choice = done.choices[0]
+    assert choice.logprobs is not None
+    assert choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert done.usage is not None
+    assert len(content) == done.usage.completion_tokens
+    assert b"".join(bytes(t.bytes or []) for t in content).decode() == choice.message.content
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token for t in content)  # greedy: the best
+    stream = await oa.chat.completions.create(**ask, stream=True)
+    streamed = [t async for c in stream if c.choices and c.choices[0].logprobs
+                for t in (c.choices[0].logprobs.content or [])]  # fmt: skip
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    plain = await oa.chat.completions.create(**{**ask, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+async def test_responses_logprobs_with_include(oa: AsyncOpenAI) -> None:
+    done = await oa.responses.create(model="chat", input="Where?", max_output_tokens=6, temperature=0,
+                                     include=["message.output_text.logprobs"], top_logprobs=2)
+    part = done.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text"
+    assert part.logprobs
+    assert "".join(t.token for t in part.logprobs) == part.text
+    assert all(len(t.top_logprobs) == 2 for t in part.logprobs)
+    # Without include the part carries an empty list, as OpenAI's do.
+    bare = await oa.responses.create(model="chat", input="Where?", max_output_tokens=3)
+    assert bare.output[0].content[0].logprobs == []  # type: ignore[union-attr]

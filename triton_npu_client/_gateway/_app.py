@@ -696,7 +696,10 @@ class Gateway:
             status = status or ("completed" if finish == "stop" else "incomplete")
             if finish == "length":
                 incomplete = {"reason": "max_output_tokens"}
-            output.append(self.message_item(turn, reply.text, "completed" if status == "completed" else "incomplete"))
+            output.append(self.message_item(
+                turn, reply.text, "completed" if status == "completed" else "incomplete",
+                _openai_logprobs(reply) if req.generation.logprobs is not None else None,
+            ))  # fmt: skip
             u = _Usage.of(reply)
             usage = {
                 "input_tokens": u.prompt,
@@ -731,13 +734,15 @@ class Gateway:
             "user": req.user,
         }
 
-    def message_item(self, turn: _Turn, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [self.text_part(text)]
+    def message_item(
+        self, turn: _Turn, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        content = [] if text is None else [self.text_part(text, logprobs)]
         return {"id": turn.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
     @staticmethod
-    def text_part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
     async def delete_response(self, response_id: str, owner: str) -> dict[str, Any]:
         # Found for this owner first: another key's id must read as unknown (404), never as busy (409).
@@ -840,7 +845,7 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": text, "refusal": None},
-                        "logprobs": None,
+                        "logprobs": _chat_logprobs_body(req, reply),
                         "finish_reason": _FINISH.get(reply.finish_reason, "stop"),
                     }
                 ],
@@ -1071,19 +1076,36 @@ def _detach(token: object) -> None:
     context.detach(token)  # type: ignore[arg-type]
 
 
+def _openai_logprobs(reply: ChatReply) -> list[dict[str, Any]]:
+    """The reply's token log-probabilities in OpenAI's shape (``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
+    return [
+        {
+            "token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+            "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in t.top],
+        }
+        for t in reply.logprobs or ()
+    ]  # fmt: skip
+
+
+def _chat_logprobs_body(req: ChatRequest, reply: ChatReply) -> dict[str, Any] | None:
+    if req.generation.logprobs is None:
+        return None
+    return {"content": _openai_logprobs(reply), "refusal": None}
+
+
 async def _chat_chunks(
     events: AsyncIterator[tuple[str, Any]], ident: str, created: int, req: ChatRequest
 ) -> AsyncIterator[bytes]:
     """Chat Completions' SSE: a role chunk, content chunks, a finish chunk, the usage chunk if asked, [DONE]."""
 
-    def chunk(delta: dict[str, Any], finish: str | None, **extra: Any) -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None, logprobs: Any = None, **extra: Any) -> bytes:
         body: dict[str, Any] = {
             "id": ident,
             "object": "chat.completion.chunk",
             "created": created,
             "model": req.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         }
         if req.include_usage:
             body["usage"] = None
@@ -1098,7 +1120,8 @@ async def _chat_chunks(
                     yield chunk({"content": value}, None)
                     continue
                 reply: ChatReply = value
-                yield chunk({}, _FINISH.get(reply.finish_reason, "stop"))
+                # The reply's log-probabilities come whole with its last response: they ride the finish chunk.
+                yield chunk({}, _FINISH.get(reply.finish_reason, "stop"), _chat_logprobs_body(req, reply))
                 if req.include_usage:
                     usage = _Usage.of(reply)
                     yield _sse(
@@ -1148,9 +1171,11 @@ async def _response_events(gateway: Gateway, turn: _Turn, pieces: AsyncIterator[
             yield event("response.failed", response=body)
             return
     text = "".join(parts)
-    yield event("response.output_text.done", **ids, text=text, logprobs=[])
-    yield event("response.content_part.done", **ids, part=gateway.text_part(text))
     body = gateway.response_body(turn)
+    # The reply's log-probabilities come whole with its last response: the done events carry them.
+    logprobs = body["output"][0]["content"][0]["logprobs"] if body["output"] else []
+    yield event("response.output_text.done", **ids, text=text, logprobs=logprobs)
+    yield event("response.content_part.done", **ids, part=gateway.text_part(text, logprobs))
     yield event("response.output_item.done", output_index=0, item=body["output"][0])
     assert turn.reply is not None
     _count(gateway.metrics, "/v1/responses", _Usage.of(turn.reply))

@@ -72,6 +72,7 @@ class Generation:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logprobs: int | None = None  # alternatives per token with each token's log-probability (None: none asked)
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments for ``ChatSession.send``: only the options given. No output cap given is no cap (the
@@ -207,8 +208,6 @@ def _utf8(param: str, text: str, limit: int) -> str:
 # Parameters OpenAI defines that this gateway does not implement, with the value that asks for nothing.
 _NEUTRAL: Final[dict[str, Any]] = {
     "n": 1,
-    "logprobs": False,
-    "top_logprobs": 0,
     "tools": [],
     "functions": [],
     "logit_bias": {},
@@ -220,8 +219,6 @@ _NEUTRAL: Final[dict[str, Any]] = {
 }
 _REFUSED_WHAT: Final[dict[str, str]] = {
     "n": "more than one choice (n > 1)",
-    "logprobs": "log probabilities",
-    "top_logprobs": "log probabilities",
     "tools": "tool calling",
     "tool_choice": "tool calling",
     "functions": "function calling",
@@ -394,6 +391,37 @@ def format_echo(fmt: ResponseFormat | None) -> dict[str, Any]:
             "description": None}  # fmt: skip
 
 
+#: OpenAI's cap on top_logprobs (the chat model's too).
+_TOP_LOGPROBS: Final = 20
+#: The one ``include`` value there is something for here.
+_LOGPROBS_INCLUDE: Final = "message.output_text.logprobs"
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat Completions: ``logprobs: true`` asks for each token's, ``top_logprobs`` for that many alternatives."""
+    wanted = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, _TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise invalid("top_logprobs", "top_logprobs: only with logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def _response_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Responses: ``include: ["message.output_text.logprobs"]`` asks for them, ``top_logprobs`` for alternatives."""
+    include = body.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise invalid("include", f"include: expected an array of strings, given {_kind(include)}")
+    for value in include:
+        if value != _LOGPROBS_INCLUDE:
+            raise refused("include", f"extra output data other than {_LOGPROBS_INCLUDE} (given {_shown(value)})")
+    top = _int(body, "top_logprobs", 0, _TOP_LOGPROBS)
+    if _LOGPROBS_INCLUDE in include or top:
+        return top or 0
+    return None
+
+
 def _penalties(body: Mapping[str, Any]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for key in ("presence_penalty", "frequency_penalty"):
@@ -403,7 +431,8 @@ def _penalties(body: Mapping[str, Any]) -> dict[str, float | None]:
 
 _CHAT_KEYS: Final = frozenset(
     {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user",
-     "stream", "stream_options", "metadata", "store", "response_format", *_PENALTY_KEYS}
+     "stream", "stream_options", "metadata", "store", "response_format", "logprobs", "top_logprobs",
+     *_PENALTY_KEYS}
 )  # fmt: skip
 _CHAT_PARTS: Final = frozenset({"text"})
 
@@ -445,7 +474,7 @@ def chat_request(raw: object, limits: Limits) -> ChatRequest:
         messages=tuple(messages),
         generation=_generation(
             body, ("max_completion_tokens", "max_tokens"), limits,
-            _response_format("response_format", body.get("response_format")),
+            _response_format("response_format", body.get("response_format")), _chat_logprobs(body),
         ),
         stream=stream,
         include_usage=include_usage,
@@ -454,7 +483,11 @@ def chat_request(raw: object, limits: Limits) -> ChatRequest:
 
 
 def _generation(
-    body: Mapping[str, Any], max_keys: Sequence[str], limits: Limits, response_format: ResponseFormat | None = None
+    body: Mapping[str, Any],
+    max_keys: Sequence[str],
+    limits: Limits,
+    response_format: ResponseFormat | None = None,
+    logprobs: int | None = None,
 ) -> Generation:
     return Generation(
         max_tokens=_max_tokens(body, max_keys, limits),
@@ -463,6 +496,7 @@ def _generation(
         seed=_int(body, "seed", -_INT64_MAX - 1, _INT64_MAX),
         stop=_stop(body, limits),
         response_format=response_format,
+        logprobs=logprobs,
         **_penalties(body),
     )
 
@@ -502,7 +536,7 @@ def embedding_request(raw: object, limits: Limits) -> EmbeddingRequest:
 _RESPONSE_KEYS: Final = frozenset(
     {"model", "input", "instructions", "previous_response_id", "conversation", "max_output_tokens", "temperature",
      "top_p", "seed", "stop", "stream", "store", "metadata", "user", "truncation", "prompt_cache_key",
-     "safety_identifier", "stream_options", "text", *_PENALTY_KEYS}
+     "safety_identifier", "stream_options", "text", "top_logprobs", "include", *_PENALTY_KEYS}
 )  # fmt: skip
 _INPUT_PARTS: Final = frozenset({"input_text", "output_text", "text"})
 
@@ -579,7 +613,9 @@ def response_request(raw: object, limits: Limits) -> ResponseRequest:
         instructions=instructions,
         previous_response_id=previous,
         conversation=conversation,
-        generation=_generation(body, ("max_output_tokens",), limits, _text_format(body.get("text"))),
+        generation=_generation(
+            body, ("max_output_tokens",), limits, _text_format(body.get("text")), _response_logprobs(body)
+        ),
         stream=_bool(body, "stream", False),
         store=_bool(body, "store", True),
         metadata=_metadata(body, limits),
