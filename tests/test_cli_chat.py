@@ -219,7 +219,7 @@ def test_bad_options_are_one_line_before_any_server(
     monkeypatch.setenv("TRITONSERVER", str(tripwire))
     monkeypatch.setenv("TNC_TEST_TRIPWIRE", str(marker))
     cases = [
-        (["--max-tokens", "0"], "chat option 'max_tokens': expected an int >= 1, given 0"),
+        (["--max-tokens", "-1"], "chat option 'max_tokens': expected an int >= 1, or 0 for no cap"),
         (["--top-p", "0"], "chat option 'top_p'"),
         (["--top-p", "1.5"], "chat option 'top_p'"),
         (["--top-k", "-1"], "chat option 'top_k'"),

@@ -22,8 +22,7 @@ from typing import Any, Final
 import attrs
 
 from .._errors import ChatOptionError
-from .._sessions import ChatMessage, ResponseFormat
-from .._sessions._constraint import as_response_format
+from .._sessions import ChatMessage, ResponseFormat, as_response_format
 from ._errors import APIError, invalid, refused
 
 __all__ = [

@@ -16,7 +16,7 @@ from ._chat import (
     defer_chat,
     open_chat,
 )
-from ._constraint import ResponseFormat
+from ._constraint import ResponseFormat, as_response_format
 from ._sequence import SequenceSession, defer_sequence, new_sequence_id, open_sequence, validate_sequence_id
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "SequenceSession",
     "TokenLogprob",
     "TopLogprob",
+    "as_response_format",
     "defer_chat",
     "defer_sequence",
     "new_sequence_id",

@@ -180,7 +180,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_url_argument(p, help=URL_HELP + " (neither given: start an embedded server)")
     p.add_argument("--model", default=None, help="chat model name (default: chat; with --checkpoint see --name)")
     p.add_argument("--system", default=None, help="system message sent with the first turn")
-    p.add_argument("--max-tokens", type=int, default=None, help="most tokens per reply (default: the model's)")
+    p.add_argument(
+        "--max-tokens", type=int, default=None,
+        help="most tokens per reply (0: no cap, to the end of the context; default: the model's)",
+    )  # fmt: skip
     p.add_argument(
         "--min-tokens", type=int, default=None, help="the reply may not end before this many tokens (default 0)"
     )
