@@ -9,6 +9,7 @@ it writes. A block without an entry in ``EXPECTED`` fails the suite: a new block
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -66,10 +67,14 @@ def _sequence(lines: list[str], _cwd: Path) -> None:
 
 
 def _chat(lines: list[str], _cwd: Path) -> None:
-    assert lines[-1] == "2 turns, " + lines[-1].split(" ")[2] + " tokens kept on the server"
+    assert lines[-1] == "3 turns, " + lines[-1].split(" ")[2] + " tokens kept on the server"
     assert int(lines[-1].split(" ")[2]) > 0
-    reason = re.search(r" (stop|stop_string|length|context) ([\d.e-]+|None) ([\d.e-]+)$", lines[-2])
-    assert reason is not None, lines[-2]  # the reply's text, why it finished, its timings
+    reason = re.search(r" (stop|stop_string|length|context) ([\d.e-]+|None) ([\d.e-]+)$", lines[-3])
+    assert reason is not None, lines[-3]  # the reply's text, why it finished, its timings
+    # The constrained reply's name (parsed from valid JSON, at most 20 characters), then its tokens' logprobs.
+    name, _, logprobs = lines[-2].rpartition(" [")
+    assert len(json.loads(name)) <= 20, lines[-2]
+    assert all(float(v) <= 0 for v in logprobs.rstrip("]").split(", ")), lines[-2]
 
 
 def _scoring(lines: list[str], cwd: Path) -> None:
