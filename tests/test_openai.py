@@ -156,7 +156,7 @@ async def test_a_model_of_the_wrong_kind_or_unknown_is_refused(oa: AsyncOpenAI) 
 # --- refused parameters and bad input --------------------------------------------------------------------------
 
 CHAT_REFUSED: list[tuple[str, dict[str, Any]]] = [
-    ("n", {"n": 2}),
+    ("n", {"n": 17}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("tool_choice", {"tool_choice": "required"}),
     ("logit_bias", {"logit_bias": {"50256": -100}}),
@@ -515,9 +515,14 @@ async def test_at_capacity_a_turn_is_429_with_retry_after(client: Client) -> Non
 async def test_a_turn_past_its_deadline_is_504_and_the_chain_goes_on(client: Client) -> None:
     async with OpenAIGateway(client, port=0, options=GatewayOptions(timeout_s=0.05)) as gw:
         oa = AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        # A reply that cannot end early: the demo may end a free reply within 50 ms on a quiet machine, but this
+        # format needs at least 300 numbers.
+        long_reply = {"type": "json_schema", "json_schema": {"name": "many", "strict": True, "schema": {
+            "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 300}}}
         with pytest.raises(openai.APIStatusError) as late:
             await oa.chat.completions.create(
-                model="chat", messages=[{"role": "user", "content": "go on"}], max_tokens=2000, **GREEDY
+                model="chat", messages=[{"role": "user", "content": "go on"}], max_tokens=2000,
+                response_format=long_reply, **GREEDY,  # type: ignore[arg-type]
             )
         assert late.value.status_code == 504
         await oa.close()

@@ -629,7 +629,7 @@ def _bad_chat() -> list[tuple[str, Any, int, str | None, str | None]]:
     """Bodies for POST /v1/chat/completions that must be refused."""
     base = {"model": "chat", "messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 4}
     return [
-        ("n 2", {**base, "n": 2}, 400, "n", "unsupported_parameter"),
+        ("n 17", {**base, "n": 17}, 400, "n", "invalid_value"),
         ("logprobs", {**base, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
         ("store", {**base, "store": True}, 400, "store", "unsupported_parameter"),
         ("no messages", {**base, "messages": []}, 400, "messages", "invalid_value"),
@@ -679,9 +679,9 @@ async def do_bad_input(gate: Gate, user: User, tally: Tally) -> None:
                                  code="conversation_not_found")  # fmt: skip
         else:
             await expect_refused(
-                tally, f"{what}: n 2",
-                lambda: oa.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Hi?"}], n=2),
-                400, param="n", code="unsupported_parameter",
+                tally, f"{what}: n 17",
+                lambda: oa.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Hi?"}], n=17),
+                400, param="n", code="invalid_value",
             )  # fmt: skip
     elif kind == "key":
         target = user.head.id if user.head is not None else unknown("resp")

@@ -180,3 +180,33 @@ async def test_responses_logprobs_with_include(oa: AsyncOpenAI) -> None:
     # Without include the part carries an empty list, as OpenAI's do.
     bare = await oa.responses.create(model="chat", input="Where?", max_output_tokens=3)
     assert bare.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+
+
+async def test_n_choices_each_equal_their_own_request_whole_and_streamed(oa: AsyncOpenAI) -> None:
+    """n = 3, sampled with a seed: choice i is the reply a request of its own with seed + i gets; streamed, each
+    index's deltas join to the same texts; usage counts the prompt once and every choice's tokens."""
+    ask: dict[str, Any] = {"model": "chat", "messages": [{"role": "user", "content": "Where is the house?"}],
+                           "max_tokens": 10, "temperature": 1.0}
+    done = await oa.chat.completions.create(**ask, n=3, seed=40)
+    texts = [c.message.content for c in sorted(done.choices, key=lambda c: c.index)]
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    alone = [(await oa.chat.completions.create(**ask, seed=40 + i)).choices[0].message.content for i in range(3)]
+    assert texts == alone
+    assert len(set(texts)) > 1  # the seeds differ, so (almost surely) do the replies
+    single = await oa.chat.completions.create(**ask, seed=40)
+    assert done.usage is not None
+    assert single.usage is not None
+    assert done.usage.prompt_tokens == single.usage.prompt_tokens
+    stream = await oa.chat.completions.create(**ask, n=3, seed=40, stream=True, stream_options={"include_usage": True})
+    parts: dict[int, str] = {0: "", 1: "", 2: ""}
+    finishes = 0
+    usage = None
+    async for c in stream:
+        usage = c.usage or usage
+        for choice in c.choices:
+            parts[choice.index] += choice.delta.content or ""
+            finishes += choice.finish_reason is not None
+    assert [parts[i] for i in range(3)] == texts
+    assert finishes == 3
+    assert usage is not None
+    assert usage.completion_tokens == done.usage.completion_tokens

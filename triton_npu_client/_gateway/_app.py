@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 import numpy as np
@@ -128,9 +128,53 @@ class _Usage:
         prompt = max(prompt, reply.prompt_tokens)
         return cls(prompt=prompt, prefilled=reply.prompt_tokens, completion=reply.tokens)
 
+    @classmethod
+    def of_choices(cls, replies: Sequence[ChatReply]) -> _Usage:
+        """One request's ``n`` choices: the prompt counted once (as OpenAI bills it), what each computed and wrote
+        summed."""
+        each = [cls.of(r) for r in replies]
+        return cls(prompt=each[0].prompt, prefilled=sum(u.prefilled for u in each),
+                   completion=sum(u.completion for u in each))  # fmt: skip
+
     @property
     def cached(self) -> int:
         return max(self.prompt - self.prefilled, 0)
+
+
+async def _merged(sources: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """The items of ``sources``, read at once, as (source index, item) in the order they arrive.
+
+    Each source is read by a task of its own into one queue; the first error ends the whole (the others are
+    cancelled), and leaving early cancels them all, each closing its source (so each choice's turn is stopped and
+    its conversation closed, as for one choice).
+    """
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncIterator[Any]) -> None:
+        try:
+            async with contextlib.aclosing(source):  # type: ignore[type-var]
+                async for item in source:
+                    await queue.put((index, item, None, False))
+        except Exception as err:
+            await queue.put((index, None, err, True))
+            return
+        await queue.put((index, None, None, True))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        left = len(tasks)
+        while left:
+            index, item, error, ended = await queue.get()
+            if error is not None:
+                raise error
+            if ended:
+                left -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _sse(data: Any, event: str | None = None) -> bytes:
@@ -465,13 +509,33 @@ class Gateway:
 
     # -- chat completions ---------------------------------------------------------------------------------------
 
-    async def chat_completion(self, req: ChatRequest, *, started: float) -> AsyncIterator[tuple[str, Any]]:
-        """The reply as ("piece", text) events, then ("done", (reply, usage)); errors raise APIError."""
+    async def chat_completion(self, req: ChatRequest, *, started: float) -> AsyncIterator[tuple[str, int, Any]]:
+        """The replies as ("piece", choice, text) events, then ("done", choice, reply) for each choice; errors raise
+        APIError. With ``n`` > 1 each choice is a conversation of its own on the same history, sent at once (so the
+        server admits them together and a long history's blocks are computed once and shared), its seed the
+        request's plus its index when a seed is given; their events interleave as they arrive."""
         await self.served(req.model, "chat")
+        if req.n == 1:
+            async for kind, value in self._choice(req, req.generation.options(), started):
+                yield kind, 0, value
+            return
+        sources = []
+        for i in range(req.n):
+            options = req.generation.options()
+            if "seed" in options:
+                options["seed"] += i
+            sources.append(self._choice(req, options, started))
+        async with contextlib.aclosing(_merged(sources)) as events:  # type: ignore[type-var]
+            async for i, (kind, value) in events:
+                yield kind, i, value
+
+    async def _choice(
+        self, req: ChatRequest, options: dict[str, Any], started: float
+    ) -> AsyncIterator[tuple[str, Any]]:
         history, last = req.messages[:-1], req.messages[-1]
         chat = self.client.chat(req.model, history=history, replay_on_loss=True, timeout_s=self.options.timeout_s)
         try:
-            pieces = self._send(chat, last.text, req.generation.options())
+            pieces = self._send(chat, last.text, options)
             first = True
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
@@ -818,22 +882,22 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
             )
         try:
 
-            async def whole() -> tuple[str, ChatReply]:
-                parts: list[str] = []
-                reply: ChatReply | None = None
+            async def whole() -> tuple[list[str], list[ChatReply]]:
+                parts: list[list[str]] = [[] for _ in range(req.n)]
+                replies: list[ChatReply | None] = [None] * req.n
                 async with contextlib.aclosing(traced) as stream:  # type: ignore[type-var]
-                    async for kind, value in stream:
+                    async for kind, i, value in stream:
                         if kind == "piece":
-                            parts.append(value)
+                            parts[i].append(value)
                         else:
-                            reply = value
-                assert reply is not None
-                return "".join(parts), reply
+                            replies[i] = value
+                assert all(r is not None for r in replies)
+                return ["".join(p) for p in parts], cast(list[ChatReply], replies)
 
-            text, reply = await _until_disconnect(request, whole())
+            texts, replies = await _until_disconnect(request, whole())
         finally:
             slot.__exit__(None, None, None)
-        usage = _Usage.of(reply)
+        usage = _Usage.of_choices(replies)
         _count(gateway.metrics, "/v1/chat/completions", usage)
         return JSONResponse(
             {
@@ -843,11 +907,12 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
                 "model": req.model,
                 "choices": [
                     {
-                        "index": 0,
+                        "index": i,
                         "message": {"role": "assistant", "content": text, "refusal": None},
                         "logprobs": _chat_logprobs_body(req, reply),
                         "finish_reason": _FINISH.get(reply.finish_reason, "stop"),
                     }
+                    for i, (text, reply) in enumerate(zip(texts, replies, strict=True))
                 ],
                 "usage": _chat_usage(usage),
                 "system_fingerprint": None,
@@ -1094,36 +1159,39 @@ def _chat_logprobs_body(req: ChatRequest, reply: ChatReply) -> dict[str, Any] | 
 
 
 async def _chat_chunks(
-    events: AsyncIterator[tuple[str, Any]], ident: str, created: int, req: ChatRequest
+    events: AsyncIterator[tuple[str, int, Any]], ident: str, created: int, req: ChatRequest
 ) -> AsyncIterator[bytes]:
     """Chat Completions' SSE: a role chunk, content chunks, a finish chunk, the usage chunk if asked, [DONE]."""
 
-    def chunk(delta: dict[str, Any], finish: str | None, logprobs: Any = None, **extra: Any) -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None, logprobs: Any = None, *, index: int = 0) -> bytes:
         body: dict[str, Any] = {
             "id": ident,
             "object": "chat.completion.chunk",
             "created": created,
             "model": req.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         }
         if req.include_usage:
             body["usage"] = None
-        body.update(extra)
         return _sse(body)
 
+    replies: list[ChatReply] = []
     try:
         async with contextlib.aclosing(_Ahead(events)) as stream:
-            yield chunk({"role": "assistant", "content": ""}, None)
-            async for kind, value in stream:
+            for i in range(req.n):
+                yield chunk({"role": "assistant", "content": ""}, None, index=i)
+            async for kind, index, value in stream:
                 if kind == "piece":
-                    yield chunk({"content": value}, None)
+                    yield chunk({"content": value}, None, index=index)
                     continue
                 reply: ChatReply = value
+                replies.append(reply)
                 # The reply's log-probabilities come whole with its last response: they ride the finish chunk.
-                yield chunk({}, _FINISH.get(reply.finish_reason, "stop"), _chat_logprobs_body(req, reply))
-                if req.include_usage:
-                    usage = _Usage.of(reply)
+                finish = _FINISH.get(reply.finish_reason, "stop")
+                yield chunk({}, finish, _chat_logprobs_body(req, reply), index=index)
+                if req.include_usage and len(replies) == req.n:
+                    usage = _Usage.of_choices(replies)
                     yield _sse(
                         {
                             "id": ident,

@@ -90,6 +90,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     user: str | None
+    n: int = 1  # choices: each its own conversation on the same history (seed + i when a seed is given)
 
 
 @attrs.frozen(kw_only=True)
@@ -206,7 +207,6 @@ def _utf8(param: str, text: str, limit: int) -> str:
 
 # Parameters OpenAI defines that this gateway does not implement, with the value that asks for nothing.
 _NEUTRAL: Final[dict[str, Any]] = {
-    "n": 1,
     "tools": [],
     "functions": [],
     "logit_bias": {},
@@ -217,7 +217,6 @@ _NEUTRAL: Final[dict[str, Any]] = {
     "include": [],
 }
 _REFUSED_WHAT: Final[dict[str, str]] = {
-    "n": "more than one choice (n > 1)",
     "tools": "tool calling",
     "tool_choice": "tool calling",
     "functions": "function calling",
@@ -390,6 +389,8 @@ def format_echo(fmt: ResponseFormat | None) -> dict[str, Any]:
             "description": None}  # fmt: skip
 
 
+#: The most choices one Chat Completions request may ask for (each is a conversation on the server).
+_MAX_CHOICES: Final = 16
 #: OpenAI's cap on top_logprobs (the chat model's too).
 _TOP_LOGPROBS: Final = 20
 #: The one ``include`` value there is something for here.
@@ -430,7 +431,7 @@ def _penalties(body: Mapping[str, Any]) -> dict[str, float | None]:
 
 _CHAT_KEYS: Final = frozenset(
     {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user",
-     "stream", "stream_options", "metadata", "store", "response_format", "logprobs", "top_logprobs",
+     "stream", "stream_options", "metadata", "store", "response_format", "logprobs", "top_logprobs", "n",
      *_PENALTY_KEYS}
 )  # fmt: skip
 _CHAT_PARTS: Final = frozenset({"text"})
@@ -478,6 +479,7 @@ def chat_request(raw: object, limits: Limits) -> ChatRequest:
         stream=stream,
         include_usage=include_usage,
         user=_str(body, "user"),
+        n=_int(body, "n", 1, _MAX_CHOICES) or 1,
     )
 
 
