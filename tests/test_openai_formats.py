@@ -210,3 +210,46 @@ async def test_n_choices_each_equal_their_own_request_whole_and_streamed(oa: Asy
     assert finishes == 3
     assert usage is not None
     assert usage.completion_tokens == done.usage.completion_tokens
+
+
+# --- issue 30's friction list: what clients send by default ------------------------------------------------------
+
+
+async def test_parallel_tool_calls_without_tools_asks_for_nothing(oa: AsyncOpenAI) -> None:
+    """LangChain and openai-agents send parallel_tool_calls=True with no tools: taken on both APIs."""
+    done = await oa.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                            parallel_tool_calls=True)
+    assert done.usage is not None
+    assert done.usage.completion_tokens > 0
+    r = await oa.responses.create(model="chat", input="hi", max_output_tokens=3, parallel_tool_calls=True)
+    assert r.status in ("completed", "incomplete")
+
+
+async def test_responses_stream_options_include_usage(oa: AsyncOpenAI) -> None:
+    """AIPerf sends stream_options.include_usage on Responses: the stream's response.completed carries usage."""
+    stream = await oa.responses.create(model="chat", input="hi", max_output_tokens=3, stream=True,
+                                       stream_options={"include_usage": True})  # type: ignore[call-overload]
+    final = [e async for e in stream if e.type in ("response.completed", "response.incomplete")]
+    assert len(final) == 1
+    assert final[0].response.usage is not None
+    assert final[0].response.usage.output_tokens > 0
+    with pytest.raises(openai.BadRequestError) as err:
+        await oa.responses.create(model="chat", input="hi", stream=True,
+                                  stream_options={"include_usage": True, "wibble": 1})  # type: ignore[call-overload]
+    assert err.value.body["param"] == "stream_options"  # type: ignore[index]
+
+
+async def test_every_output_item_goes_back_as_input(oa: AsyncOpenAI) -> None:
+    """A client that replays its history sends the output items it got (output_text parts with annotations and
+    logprobs, ids and statuses): taken as they are, the next turn answers, and equals its stateless twin."""
+    first = await oa.responses.create(model="chat", input="Where is the house?", max_output_tokens=6, temperature=0,
+                                      include=["message.output_text.logprobs"], top_logprobs=1)
+    replay = [{"role": "user", "content": "Where is the house?"},
+              *[item.model_dump(exclude_none=True) for item in first.output],
+              {"role": "user", "content": "Who lives there?"}]  # fmt: skip
+    assert replay[1]["content"][0]["logprobs"]  # the part carries its logprobs
+    second = await oa.responses.create(model="chat", input=replay, max_output_tokens=6, temperature=0)  # type: ignore[arg-type]
+    twin = await oa.chat.completions.create(model="chat", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "Where is the house?"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Who lives there?"}])  # fmt: skip
+    assert second.output_text == twin.choices[0].message.content

@@ -249,6 +249,8 @@ def _neutral(key: str, value: Any) -> bool:
         return bool(value == {"type": "text"})
     if key == "text":
         return value in ({"format": {"type": "text"}}, {})
+    if key == "parallel_tool_calls":
+        return isinstance(value, bool)  # with no tools (tools are refused on their own) it asks for nothing
     if key == "service_tier":
         return value in ("auto", "default")
     return key in _NEUTRAL and bool(value == _NEUTRAL[key])
@@ -313,7 +315,12 @@ def _content(param: str, content: object, limits: Limits, part_types: frozenset[
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid(f"{where}.text", f"{where}.text: expected a string, given {_kind(text)}")
-        extra = set(part) - {"type", "text", "annotations"}
+        # What the gateway writes into an output part is taken back as input (a client replays its history as the
+        # items it got): annotations and logprobs describe the text, and ask for nothing.
+        for key in ("annotations", "logprobs"):
+            if part.get(key) is not None and not isinstance(part[key], list):
+                raise invalid(f"{where}.{key}", f"{where}.{key}: expected an array, given {_kind(part[key])}")
+        extra = set(part) - {"type", "text", "annotations", "logprobs"}
         if extra:
             raise refused(f"{where}.{sorted(extra)[0]}", "content part fields other than type and text")
         texts.append(text)
@@ -584,6 +591,7 @@ def response_request(raw: object, limits: Limits) -> ResponseRequest:
             "input",
             f"the last input item must be the user's message (the reply follows it), given {messages[-1].role!r}",
         )
+    stream = _bool(body, "stream", False)
     previous = _str(body, "previous_response_id")
     conversation = body.get("conversation")
     if isinstance(conversation, dict):
@@ -598,8 +606,13 @@ def response_request(raw: object, limits: Limits) -> ResponseRequest:
     if truncation not in ("disabled", "auto", None):
         raise invalid("truncation", f"truncation: expected 'auto' or 'disabled', given {_shown(truncation)}")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_obfuscation"}):
-        raise refused("stream_options", f"stream options (given {_shown(options)})")
+    if options is not None:
+        # include_usage: Responses' stream always ends with the usage (response.completed), so it asks for nothing.
+        if not stream:
+            raise invalid("stream_options", "stream_options: only with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+            raise refused("stream_options", f"stream options other than include_usage (given {_shown(options)})")
+        _bool(options, "include_usage", False)
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -617,7 +630,7 @@ def response_request(raw: object, limits: Limits) -> ResponseRequest:
         generation=_generation(
             body, ("max_output_tokens",), limits, _text_format(body.get("text")), _response_logprobs(body)
         ),
-        stream=_bool(body, "stream", False),
+        stream=stream,
         store=_bool(body, "store", True),
         metadata=_metadata(body, limits),
         user=_str(body, "user"),
