@@ -21,33 +21,126 @@ rendering, every control-token string inside a message's content is wrapped in t
 noncharacters, which a message never needs and loses if it carries them); after rendering, the string is cut at the
 unmarked control tokens (the template's own), and the text between them, marked tokens included, is encoded with
 no control token matched. A content that holds no control-token string gives exactly transformers' ids.
+
+**Tools.** ``render(..., tools=[...])`` passes OpenAI-style tool definitions to the template as ``apply_chat_template``
+does (and picks the checkpoint's ``tool_use`` template when it has one, as transformers does); messages may be
+:class:`ChatMessage` values carrying an assistant's ``tool_calls`` or a ``tool`` result. Every string the caller gives
+is marked, as contents are: tool results, tool-call names and arguments (keys and values), tool names, descriptions
+and schemas, and the template variables. :attr:`~CheckpointTokenizer.takes_tools` says whether the template reads
+``tools`` at all, :attr:`~CheckpointTokenizer.tool_format` which tool-call format its replies use (``_tools``).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from ._tools import ToolCall, ToolFormat, check_tools, detect_tool_format
+
 if TYPE_CHECKING:
     from jinja2 import Template
     from tokenizers import Tokenizer
 
-__all__ = ["ChatTemplateError", "CheckpointTokenizer"]
+__all__ = ["ChatMessage", "ChatTemplateError", "CheckpointTokenizer", "ToolCall"]
 
 # Unicode noncharacters: reserved for a program's internal use, so no message needs them.
 _MARK_START: Final = "\ufdd0"
 _MARK_END: Final = "\ufdd1"
 _SPM_SPACE: Final = "\u2581"  # SentencePiece's "▁"
 _BYTE_PIECE: Final = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# json.dumps(..., ensure_ascii=True) spells the markers as escapes; an escape preceded by an even number of
+# backslashes is one (an odd number: the text held a literal backslash-u sequence, which stays text).
+_ESCAPED_MARK: Final = re.compile(r"(?<!\\)((?:\\\\)*)\\u(fdd0|fdd1)")
 
 
 class ChatTemplateError(ValueError):
     """The checkpoint's chat template refused a conversation, or cannot be rendered."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One message of a conversation, with what tool use needs; what a template sees is :meth:`template_value`.
+
+    - ``ChatMessage("user", "Hi")``; ``("user", "Hi")`` pairs are taken by :meth:`CheckpointTokenizer.render` too.
+    - An assistant's calls: ``ChatMessage("assistant", tool_calls=(ToolCall(name, arguments_json, id),))``, with
+      ``content`` the text before the calls, or None.
+    - A result: ``ChatMessage("tool", "22 C", tool_call_id="abc123def", name="get_weather")``.
+
+    ``content`` None, no ``tool_calls``, ``tool_call_id`` None and ``name`` None are left out of the message the
+    template sees (templates test ``'tool_calls' in message`` or ``message.tool_calls is defined``), as
+    transformers drops a message's None values.
+    """
+
+    role: str
+    content: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, str):
+            raise ValueError(f"a message's role must be a string, got {type(self.role).__name__}")
+        if self.content is not None and not isinstance(self.content, str):
+            raise ValueError(f"a {self.role} message's content must be text, got {type(self.content).__name__}")
+        if not isinstance(self.tool_calls, tuple) or not all(isinstance(c, ToolCall) for c in self.tool_calls):
+            raise ValueError(f"a {self.role} message's tool_calls must be a tuple of ToolCall")
+        for key in ("tool_call_id", "name"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"a {self.role} message's {key} must be a string, got {type(value).__name__}")
+
+    def template_value(self) -> dict[str, Any]:
+        """The message as a chat template is given it: ``tool_calls`` in OpenAI's shape with ``arguments`` decoded
+        into an object (what transformers' docs pass and what the Llama 3, Qwen2.5 and Mistral templates write with
+        ``tojson``; a JSON string there would be written as a quoted string), as vLLM decodes them before rendering."""
+        out: dict[str, Any] = {"role": self.role}
+        if self.content is not None:
+            out["content"] = self.content
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                value: dict[str, Any] = {
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments_object()},
+                }
+                calls.append(value if call.id is None else {"id": call.id, **value})
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    @classmethod
+    def from_openai(cls, message: Mapping[str, Any]) -> ChatMessage:
+        """From an OpenAI chat message (``role``, ``content``, ``tool_calls``, ``tool_call_id``, ``name``); content
+        given as a list of ``{"type": "text", "text"}`` parts is joined. ``ValueError`` for anything else."""
+        if not isinstance(message, Mapping):
+            raise ValueError(f"a message must be an object, got {type(message).__name__}")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise ValueError("a message's content parts must all be {'type': 'text', 'text': ...}")
+            content = "".join(str(t) for t in texts)
+        calls = message.get("tool_calls") or ()
+        if not isinstance(calls, (list, tuple)):
+            raise ValueError(f"a message's tool_calls must be a list, got {type(calls).__name__}")
+        return cls(
+            role=message.get("role"),  # type: ignore[arg-type]  # checked in __post_init__
+            content=content,
+            tool_calls=tuple(ToolCall.from_openai(c) for c in calls),
+            tool_call_id=message.get("tool_call_id"),
+            name=message.get("name"),
+        )
+
+
+Message = tuple[str, str] | ChatMessage
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -108,23 +201,29 @@ def _components(node: object) -> Iterable[dict[str, Any]]:
             yield from _components(child)
 
 
-def _chat_template(folder: Path, config: dict[str, Any]) -> tuple[str, str] | None:
-    """The default chat template and where it came from, as transformers picks it; None when there is none."""
+def _chat_templates(folder: Path, config: dict[str, Any]) -> tuple[dict[str, tuple[str, str]], str] | None:
+    """The checkpoint's chat templates by name (``default``, ``tool_use``...), each with the file it came from, as
+    transformers reads them; and where to say the templates are; None when there is none.
+
+    Template files (``chat_template.jinja``: the default; ``additional_chat_templates/NAME.jinja``) override
+    tokenizer_config.json's ``chat_template`` (one string, or a list of ``{name, template}``), as in transformers.
+    """
     jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():  # transformers lets this file override tokenizer_config.json's entry
-        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    extra = sorted((folder / "additional_chat_templates").glob("*.jinja"))
+    if jinja_file.is_file() or extra:
+        files = {p.name.removesuffix(".jinja"): p for p in extra}
+        if jinja_file.is_file():
+            files["default"] = jinja_file
+        return {name: (p.read_text(encoding="utf-8"), str(p)) for name, p in files.items()}, str(folder)
     where = str(folder / "tokenizer_config.json")
     template = config.get("chat_template")
     if template is None:
         return None
     if isinstance(template, str):
-        return template, where
+        return {"default": (template, where)}, where
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        chosen = named.get("default")
-        if isinstance(chosen, str):
-            return chosen, where
-        raise ValueError(f"{where}: chat_template lists templates {sorted(map(str, named))} but none named 'default'")
+        return {str(k): (v, where) for k, v in named.items() if isinstance(v, str)}, where
     raise ValueError(f"{where}: chat_template must be a string or a list of {{name, template}}, got {template!r:.80}")
 
 
@@ -154,7 +253,13 @@ def _environment() -> Any:
         sort_keys: bool = False,
     ) -> str:
         # Jinja's own tojson escapes <, >, & and ' for HTML, which would change the prompt a model was trained on.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        out = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        if ensure_ascii and "\\ufdd" in out:
+            # The markers around a control token in a string would come out as escapes, and the token unmarked:
+            # put the markers back, so the token stays text (transformers' sanitizer has the same hole; its ids
+            # for such a string are not ours).
+            out = _ESCAPED_MARK.sub(lambda m: m.group(1) + chr(int(m.group(2), 16)), out)
+        return out
 
     def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
@@ -200,12 +305,14 @@ class CheckpointTokenizer:
     Attributes: ``vocab_size`` (the tokenizer's ids: ``token_bytes`` has that many entries), ``token_bytes``
     (each id's raw bytes, ``b""`` for a special token), ``stop_ids`` (the ids that end a reply), ``bos_id``
     (``tokenizer_config.json``'s ``bos_token``, or None), ``eos_id`` (its ``eos_token``, or None), ``special_ids``
-    (the ids of the special tokens), ``chat_template`` (the Jinja source) and ``chat_template_path``.
+    (the ids of the special tokens), ``added_tokens`` (every added token's text -> id), ``chat_template`` (the
+    default template's Jinja source) and ``chat_template_path``, ``tool_template`` (the ``tool_use`` template, used
+    when tools are given, or None) and ``tool_template_path``, ``model_type`` (config.json's, or None).
+    Tools: :attr:`takes_tools`, :attr:`tool_format`, :attr:`tools_refusal`, :attr:`tool_marker_ids`.
     Thread-safe once built: ``render``, ``encode`` and ``decode`` may run on several threads at once.
     """
 
     def __init__(self, folder: str | Path) -> None:
-        import jinja2
         from tokenizers import Tokenizer
 
         folder = Path(folder)
@@ -218,18 +325,27 @@ class CheckpointTokenizer:
         generation = _read_json(folder / "generation_config.json")
         model_config = _read_json(folder / "config.json") or {}
 
-        found = _chat_template(folder, config)
+        found = _chat_templates(folder, config)
         if found is None:
             raise ValueError(
                 f"{folder / 'tokenizer_config.json'}: the checkpoint has no chat_template (nor chat_template.jinja), "
                 "so there is no way to know how it expects a conversation; add the template it was trained with"
             )
-        self.chat_template, self.chat_template_path = found
+        templates, where = found
+        if "default" not in templates:
+            raise ValueError(f"{where}: chat templates {sorted(templates)} are given but none named 'default'")
+        self.chat_template, self.chat_template_path = templates["default"]
+        self.tool_template: str | None = None
+        self.tool_template_path: str | None = None
+        if "tool_use" in templates:  # what transformers renders a conversation with tools with
+            self.tool_template, self.tool_template_path = templates["tool_use"]
+        model_type = model_config.get("model_type")
+        self.model_type: str | None = model_type if isinstance(model_type, str) else None
         self._env = _environment()
-        try:
-            self._template: Template = self._env.from_string(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"{self.chat_template_path}: the chat template does not parse: {e}") from None
+        self._template: Template = self._compile(self.chat_template, self.chat_template_path)
+        self._tool_template: Template | None = None
+        if self.tool_template is not None and self.tool_template_path is not None:
+            self._tool_template = self._compile(self.tool_template, self.tool_template_path)
 
         full = Tokenizer.from_str(json.dumps(raw))
         vocab: dict[str, int] = full.get_vocab(with_added_tokens=True)
@@ -237,6 +353,7 @@ class CheckpointTokenizer:
         added = [t for t in raw.get("added_tokens") or () if isinstance(t, dict) and isinstance(t.get("content"), str)]
         special = {str(t["content"]) for t in added if t.get("special")}
         self.special_ids = frozenset(int(t["id"]) for t in added if t.get("special"))
+        self.added_tokens: dict[str, int] = {str(t["content"]): int(t["id"]) for t in added}
 
         # The named special tokens a template sees as variables (bos_token, eos_token...), as transformers passes them.
         self._variables: dict[str, str] = {}
@@ -289,6 +406,7 @@ class CheckpointTokenizer:
         self._text = self._text_encoder(text_raw) if first_only else self._text_first
 
         self.token_bytes, self._first_bytes, self._strip_spaces = self._byte_table(raw, vocab, special)
+        self._setup_tools()
 
     @staticmethod
     def _text_encoder(raw: dict[str, Any]) -> Tokenizer:
@@ -300,13 +418,29 @@ class CheckpointTokenizer:
         tok.no_padding()
         return tok
 
+    def _compile(self, source: str, where: str) -> Template:
+        import jinja2
+
+        try:
+            template: Template = self._env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"{where}: the chat template does not parse: {e}") from None
+        return template
+
     def _literal_text(self) -> str:
-        """The template's literal strings (its text and string constants), NUL-joined so none match across two."""
+        """The templates' literal strings (their text and string constants), NUL-joined so none match across two.
+
+        Both templates' (the default and ``tool_use``), so that a message's text is text whichever renders it.
+        """
         from jinja2 import nodes
 
-        tree = self._env.parse(self.chat_template)
-        literals = {n.data for n in tree.find_all(nodes.TemplateData)}
-        literals |= {n.value for n in tree.find_all(nodes.Const) if isinstance(n.value, str)}
+        literals: set[str] = set()
+        for source in (self.chat_template, self.tool_template):
+            if source is None:
+                continue
+            tree = self._env.parse(source)
+            literals |= {n.data for n in tree.find_all(nodes.TemplateData)}
+            literals |= {n.value for n in tree.find_all(nodes.Const) if isinstance(n.value, str)}
         return "\0".join(sorted(literals))
 
     def _byte_table(
@@ -388,47 +522,160 @@ class CheckpointTokenizer:
             out = out[1:]
         return out
 
-    def render(self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool) -> list[int]:
-        """The ids of a conversation (``(role, content)`` pairs, oldest first) in the checkpoint's chat template.
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The ids of a conversation (oldest first) in the checkpoint's chat template.
 
-        Equal to ``transformers``' ``apply_chat_template(..., tokenize=True)`` when no content holds a control
-        token's text; a content's text never becomes a control token (see the module docstring).
-        :class:`ChatTemplateError` (a ``ValueError``) when the template refuses the conversation.
+        ``messages``: ``(role, content)`` pairs or :class:`ChatMessage` values (assistant tool calls, tool results),
+        mixed as needed. ``tools``: OpenAI-style tool definitions (``{"type": "function", "function": {"name",
+        "description", "parameters"}}``), checked by ``_tools.check_tools``; None is "no tools" (an empty list is
+        passed on as one, as transformers does, and some templates then still announce tools). With tools the
+        checkpoint's ``tool_use`` template is used when it has one. ``variables``: more template variables
+        (``date_string`` for Llama 3; they override the special-token variables, as ``apply_chat_template``'s
+        keyword arguments do).
+
+        Equal to ``transformers``' ``apply_chat_template(..., tools=tools, tokenize=True, **variables)`` when no
+        string the caller gives holds a control token's text; such a string never becomes a control token (see the
+        module docstring). :class:`ChatTemplateError` (a ``ValueError``) when the template refuses the conversation;
+        ``ValueError`` for malformed tools.
         """
-        return self._tokenize(self._render_marked(messages, add_generation_prompt=add_generation_prompt))
+        rendered = self._render_marked(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, variables=variables
+        )
+        return self._tokenize(rendered)
 
-    def _render_marked(self, messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool) -> str:
-        """The rendered template, the control-token strings of the contents marked (what :meth:`_tokenize` cuts)."""
+    def encode_controls(self, text: str) -> list[int]:
+        """Text written by the server itself (a forced call's prefix such as ``[TOOL_CALLS]`` or ``<tool_call>\\n``)
+        as ids inside a conversation: its control-token strings become the tokens, the rest is text."""
+        return self._tokenize(text, at_start=False)
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template used with tools reads the ``tools`` variable at all; a template that does not would
+        drop a request's tools silently, so tools are to be refused for it (:attr:`tools_refusal`)."""
+        return self._takes_tools
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The tool-call format the checkpoint's replies use (``_tools.detect_tool_format``: by the template used with
+        tools, the added tokens, then ``model_type``); None when unknown or when the template takes no tools."""
+        return self._tool_format
+
+    @property
+    def tools_refusal(self) -> str | None:
+        """Why a request with tools cannot be served on this checkpoint, as a message; None when it can."""
+        return self._tools_refusal
+
+    @property
+    def tool_marker_ids(self) -> dict[int, str]:
+        """The special tokens among :attr:`tool_format`'s markup (``[TOOL_CALLS]``, ``<|python_tag|>``; ``<tool_call>``
+        and ``</tool_call>`` where a Hermes vocabulary makes them special), id -> text.
+
+        Their :attr:`token_bytes` are empty, as for every special token, but a tool-call parser must see them (vLLM
+        turns ``skip_special_tokens`` off for these parsers for the same reason): the text a parser is fed is the
+        reply's bytes with these ids' text put in; what the client is shown is what the parser returns as content.
+        """
+        return dict(self._tool_marker_ids)
+
+    def _setup_tools(self) -> None:
+        import jinja2.meta
+
+        source = self.tool_template if self.tool_template is not None else self.chat_template
+        where = self.tool_template_path if self.tool_template_path is not None else self.chat_template_path
+        self._takes_tools = "tools" in jinja2.meta.find_undeclared_variables(self._env.parse(source))
+        self._tool_format: ToolFormat | None = None
+        self._tool_marker_ids: dict[int, str] = {}
+        self._tools_refusal: str | None = None
+        if not self._takes_tools:
+            self._tools_refusal = (
+                f"this checkpoint's chat template ({where}) does not read tools, so the model would never see them; "
+                "tools need a checkpoint whose template renders them"
+            )
+            return
+        self._tool_format = detect_tool_format(source, self.added_tokens, self.model_type)
+        if self._tool_format is None:
+            self._tools_refusal = (
+                f"this checkpoint's chat template ({where}) takes tools, but neither it, its tokenizer nor its "
+                f"model_type ({self.model_type}) shows a tool-call format this server can read "
+                "(Llama 3 JSON, Hermes/Qwen2.5 <tool_call>, Mistral [TOOL_CALLS])"
+            )
+            return
+        for marker in self._tool_format.markup:
+            index = self.added_tokens.get(marker)
+            if index is not None and index in self.special_ids:
+                self._tool_marker_ids[index] = marker
+
+    def _render_marked(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The rendered template, every caller's string marked (what :meth:`_tokenize` cuts)."""
         import jinja2
 
-        marked = [{"role": self._mark(role), "content": self._mark(content)} for role, content in messages]
+        chat: list[dict[str, Any]] = []
+        for message in messages:
+            if isinstance(message, ChatMessage):
+                chat.append(message.template_value())
+            else:
+                role, content = message
+                chat.append({"role": role, "content": content})
+        marked_tools = None if tools is None else self._mark_value(check_tools(tools))
+        template = self._template
+        where = self.chat_template_path
+        if tools is not None and self._tool_template is not None:
+            template, where = self._tool_template, str(self.tool_template_path)
+        extra = {} if variables is None else self._mark_value(dict(variables))
         try:
             return str(
-                self._template.render(
-                    messages=marked,
-                    tools=None,
+                template.render(
+                    messages=self._mark_value(chat),
+                    tools=marked_tools,
                     documents=None,
                     add_generation_prompt=add_generation_prompt,
-                    **self._variables,
+                    **{**self._variables, **extra},
                 )
             )
         except _Refusal as e:
-            where = self.chat_template_path
             raise ChatTemplateError(f"the checkpoint's chat template ({where}) refused the conversation: {e}") from None
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
             raise ChatTemplateError(
-                f"the checkpoint's chat template ({self.chat_template_path}) failed: {type(e).__name__}: {e}"
+                f"the checkpoint's chat template ({where}) failed: {type(e).__name__}: {e}"
             ) from None
+
+    def _mark_value(self, value: Any) -> Any:
+        """Every string inside ``value`` (lists, tuples, dicts: keys and values) marked; other values as they are.
+
+        Keys too, unlike transformers' ``mark_control_tokens``: templates write them (a tool's parameter names, an
+        argument's keys), and a key is as much the caller's text as a value.
+        """
+        if isinstance(value, str):
+            return self._mark(value)
+        if isinstance(value, dict):
+            return {self._mark_value(k): self._mark_value(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._mark_value(v) for v in value]
+        return value
 
     def _mark(self, text: str) -> str:
         text = text.replace(_MARK_START, "").replace(_MARK_END, "")
         return self._control_re.sub(lambda m: f"{_MARK_START}{m.group(0)}{_MARK_END}", text)
 
-    def _tokenize(self, rendered: str) -> list[int]:
-        """Cut a rendered conversation at the template's control tokens and encode the text between them."""
+    def _tokenize(self, rendered: str, *, at_start: bool = True) -> list[int]:
+        """Cut a rendered conversation at the template's control tokens and encode the text between them
+        (``at_start``: the text is the start of the whole string, where SentencePiece prepends its ▁)."""
         out: list[int] = []
         run: list[str] = []  # text since the last control token (marked tokens as text, lone markers dropped)
-        run_at = 0  # where that text starts in `rendered`
+        run_at = 0 if at_start else -1  # where that text starts in `rendered` (-1: not at the start of anything)
         position = 0
         rstrip = False  # the last control token takes the whitespace after it (an added token's rstrip)
         for m in self._pieces_re.finditer(rendered):
