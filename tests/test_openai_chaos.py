@@ -586,9 +586,10 @@ def _bad_responses(prev: dict[str, Any]) -> list[tuple[str, Any, int, str | None
         ("tools", {**base, "tools": [{"type": "web_search"}]}, 400, "tools", "unsupported_parameter"),
         ("reasoning", {**base, "reasoning": {"effort": "high"}}, 400, "reasoning", "unsupported_parameter"),
         ("background", {**base, "background": True}, 400, "background", "unsupported_parameter"),
-        ("include", {**base, "include": ["message.output_text.logprobs"]}, 400, "include", "unsupported_parameter"),
-        ("top_logprobs", {**base, "top_logprobs": 2}, 400, "top_logprobs", "unsupported_parameter"),
-        ("text format", {**base, "text": {"format": {"type": "json_object"}}}, 400, "text", "unsupported_parameter"),
+        # Log-probabilities and formats are served: what is refused is what the gateway has nothing for.
+        ("include", {**base, "include": ["reasoning.encrypted_content"]}, 400, "include", "unsupported_parameter"),
+        ("top_logprobs 21", {**base, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
+        ("text format xml", {**base, "text": {"format": {"type": "xml"}}}, 400, "text.format", "invalid_value"),
         ("an image", {**base, "input": image}, 400, "input[0].content[0].type", "unsupported_parameter"),
         ("a tool output", {**base, "input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400,
          "input[0].type", "unsupported_parameter"),
@@ -630,7 +631,7 @@ def _bad_chat() -> list[tuple[str, Any, int, str | None, str | None]]:
     base = {"model": "chat", "messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 4}
     return [
         ("n 17", {**base, "n": 17}, 400, "n", "invalid_value"),
-        ("logprobs", {**base, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+        ("top_logprobs without logprobs", {**base, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
         ("store", {**base, "store": True}, 400, "store", "unsupported_parameter"),
         ("no messages", {**base, "messages": []}, 400, "messages", "invalid_value"),
         ("the assistant last", {**base, "messages": [{"role": "assistant", "content": "x"}]}, 400, "messages[0].role",

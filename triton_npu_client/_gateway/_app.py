@@ -2,7 +2,9 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/responses``,
 ``GET|DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``POST /v1/conversations``,
-``GET|DELETE /v1/conversations/{id}``; ``GET /metrics`` (Prometheus) and ``GET /health`` without a key.
+``GET|POST|DELETE /v1/conversations/{id}``, ``GET|POST /v1/conversations/{id}/items``,
+``GET|DELETE /v1/conversations/{id}/items/{item_id}``; ``GET /metrics`` (Prometheus) and ``GET /health`` without a
+key.
 
 How a request is served (docs/openai.md says it for users):
 
@@ -18,6 +20,10 @@ How a request is served (docs/openai.md says it for users):
   when it is the chain's head and the server still holds it, else replayed exactly from the stored messages.
 - **Disconnects.** A client that goes away (streaming or not) cancels its turn: the SDK cancels it on the server,
   which rolls it back; a Responses chain stays at the response it continued.
+- **Conversation items** grow with each turn in the same store write as the head; an edit through the items API
+  claims the conversation as a turn does and clears its head, so the next turn replays the items exactly.
+- **Token arrays** on ``/v1/embeddings`` go to the encoder step of the ensemble, framed as its tokenizer step frames
+  a text (:mod:`._tokens`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._errors import SequenceCapacityError, SequenceLost, TritonError
+from .._errors import InvalidArgumentError, SequenceCapacityError, SequenceLost, TritonError
 from .._jobs import score_batches
 from .._sessions import ChatMessage, ChatReply, ChatSession, ChatState
 from .._trace import AVAILABLE as TRACING
@@ -51,19 +57,24 @@ from .._trace import Span
 from .._trace import start as start_span
 from ._catalog import Catalog, ServedModel
 from ._chains import Chains
-from ._errors import APIError, busy, from_sdk, invalid
+from ._errors import APIError, busy, from_sdk, invalid, refused
 from ._metrics import CONTENT_TYPE, Metrics
 from ._schema import (
     ChatRequest,
     Limits,
     ResponseRequest,
     chat_request,
+    conversation_items_request,
     conversation_request,
+    conversation_update_request,
     embedding_request,
     format_echo,
+    item_list_query,
+    item_query,
     response_request,
 )
-from ._store import MemoryStore, ResponseStore, StoredConversation, StoredResponse
+from ._store import MemoryStore, ResponseStore, StoredConversation, StoredResponse, message_item
+from ._tokens import IDS, MASK, TokenPath, find_token_path
 
 if TYPE_CHECKING:
     from .._client import Client
@@ -71,6 +82,9 @@ if TYPE_CHECKING:
 __all__ = ["GatewayOptions", "create_app"]
 
 _log = logging.getLogger("triton_npu_client.openai")
+
+#: How often a conversation turn reads its conversation again when an edit landed between its read and its claim.
+_CLAIM_TRIES: Final = 3
 
 _FINISH: Final = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
 
@@ -334,6 +348,7 @@ class Gateway:
         self._keys = tuple((_owner(k), hashlib.sha256(k.encode()).digest()) for k in options.api_keys)
         self._turns = 0
         self._closing: set[asyncio.Task[None]] = set()
+        self._token_paths: dict[str, TokenPath] = {}  # model name -> how its encoder takes token arrays
 
     async def aclose(self) -> None:
         await self.catalog.aclose()
@@ -477,16 +492,42 @@ class Gateway:
     async def embeddings(self, raw: Any) -> dict[str, Any]:
         req = embedding_request(raw, self.limits)
         served = await self.served(req.model, "embedding")
-        try:
-            model = await self.client.model(served.name)
+        tokens = 0
+        if req.token_ids is None:
             column = np.array([t.encode() for t in req.texts], dtype=object).reshape(-1, 1)
-            vectors: list[Any] = [None] * len(req.texts)
+            vectors = await self._embed(served.name, [{served.text_input: column}], served.vector_output, len(column))
+        else:
+            path = await self._token_path(served)
+            rows = [path.row(ids) for ids in req.token_ids]
+            # One batch per request the encoder takes at most, each padded to its own longest row only.
+            size = max((await self.client.model(path.encoder)).spec.max_batch_size, 1)
+            batches = [path.batch(rows[i : i + size]) for i in range(0, len(rows), size)]
+            vectors = await self._embed(path.encoder, batches, path.vector_output, len(rows), token_ids=True)
+            tokens = sum(len(r) for r in rows)  # exactly the ids the encoder read
+        data = []
+        for i, vector in enumerate(vectors):
+            values = np.asarray(vector, dtype="<f4")
+            embedding: Any = base64.b64encode(values.tobytes()).decode() if req.base64 else values.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": embedding})
+        # The encoder does not report its token counts (docs/openai.md): none is made up for text. For token arrays
+        # the gateway knows them: the ids it sent, the tokenizer's frame included.
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return {"object": "list", "data": data, "model": served.name, "usage": usage}
+
+    async def _embed(
+        self, name: str, batches: list[dict[str, Any]], output: str, count: int, *, token_ids: bool = False
+    ) -> list[Any]:
+        """The vectors of ``count`` rows given as column ``batches`` to model ``name``; a refused row is a 400 naming
+        it (``input[i]``)."""
+        try:
+            model = await self.client.model(name)
+            vectors: list[Any] = [None] * count
             failures: list[tuple[int, Exception]] = []
-            batches = score_batches(model, [{served.text_input: column}], outputs=[served.vector_output])
-            async with contextlib.aclosing(batches) as scored:  # type: ignore[type-var]
+            scored_batches = score_batches(model, batches, outputs=[output])
+            async with contextlib.aclosing(scored_batches) as scored:  # type: ignore[type-var]
                 async for batch in scored:
                     for start, outputs in batch.runs:
-                        block = outputs[served.vector_output]
+                        block = outputs[output]
                         for i in range(block.shape[0]):
                             vectors[start + i] = block[i]
                     failures.extend((index, error) for index, error, _ in batch.errors)
@@ -494,18 +535,37 @@ class Gateway:
             raise from_sdk(err, param="input") from None
         if failures:
             index, error = failures[0]
-            raise (
-                from_sdk(error, param=f"input[{index}]")
-                if isinstance(error, TritonError)
-                else invalid(f"input[{index}]", str(error))
-            )
-        data = []
-        for i, vector in enumerate(vectors):
-            values = np.asarray(vector, dtype="<f4")
-            embedding: Any = base64.b64encode(values.tobytes()).decode() if req.base64 else values.tolist()
-            data.append({"object": "embedding", "index": i, "embedding": embedding})
-        # The encoder does not report its token counts (docs/openai.md): none is made up.
-        return {"object": "list", "data": data, "model": served.name, "usage": {"prompt_tokens": 0, "total_tokens": 0}}
+            where = f"input[{index}]"
+            if token_ids and isinstance(error, InvalidArgumentError):
+                # The encoder's refusal names its vocabulary's size; say whose ids these must be, and how LangChain's
+                # default (tiktoken's ids, of OpenAI's vocabulary) sends the text instead.
+                raise invalid(
+                    where,
+                    f"{where}: token ids must be the encoder's own, from its tokenizer's vocabulary (model "
+                    f"'{name}'); another tokenizer's ids mean other tokens here. The encoder refused them: {error}. "
+                    "LangChain's OpenAIEmbeddings sends tiktoken's ids by default: give it "
+                    "check_embedding_ctx_length=False to send the text",
+                    code="invalid_token_ids",
+                )
+            raise from_sdk(error, param=where) if isinstance(error, TritonError) else invalid(where, str(error))
+        return vectors
+
+    async def _token_path(self, served: ServedModel) -> TokenPath:
+        """How token arrays reach ``served``'s encoder (read once per model); a 400 when it takes text only."""
+        path = self._token_paths.get(served.name)
+        if path is None:
+            try:
+                path = await find_token_path(self.client, served)
+            except TritonError as err:
+                raise from_sdk(err, param="input") from None
+            if path is None:
+                raise refused(
+                    "input",
+                    f"token arrays for model '{served.name}' (its ensemble has no tokenizer step feeding an encoder "
+                    f"step {IDS} and {MASK}; give the text)",
+                )
+            self._token_paths[served.name] = path
+        return path
 
     # -- chat completions ---------------------------------------------------------------------------------------
 
@@ -556,6 +616,44 @@ class Gateway:
     async def prepare(self, req: ResponseRequest, owner: str) -> _Turn:
         """Find what the turn continues, claim it and reach its chat; nothing is generated yet."""
         await self.served(req.model, "chat")
+        for _ in range(_CLAIM_TRIES):
+            previous, conversation = await self._continued(req, owner)
+            keys = (previous.id if previous else None, conversation.id if conversation else None)
+            if not self.chains.claim(*keys):
+                raise APIError(
+                    409,
+                    "a turn continuing this "
+                    + ("conversation" if conversation else "response")
+                    + " is still running; wait for it to finish, or name its response to go on from there",
+                    param="conversation" if conversation else "previous_response_id",
+                    code="conversation_busy",
+                )
+            if conversation is None:
+                break
+            # Read again now that it is claimed: an edit of its items (which claims it too) may have landed since
+            # the first read, and its head, which that edit cleared, must not be continued.
+            try:
+                again = await self.store.get_conversation(conversation.id, owner=owner)
+            except BaseException:
+                self.chains.release(*keys)
+                raise
+            if again == conversation:
+                break
+            self.chains.release(*keys)
+        else:
+            raise APIError(409, "the conversation kept changing while this turn started; send it again",
+                           param="conversation", code="conversation_busy")  # fmt: skip
+        try:
+            chat, how = await self._chat_for(req, previous, conversation)
+        except BaseException:
+            self.chains.release(*keys)
+            raise
+        return _Turn(
+            request=req, owner=owner, chat=chat, how=how, previous=previous, conversation=conversation, keys=keys
+        )
+
+    async def _continued(self, req: ResponseRequest, owner: str) -> tuple[_Head | None, StoredConversation | None]:
+        """What the turn continues: the response it names (or its conversation's head) and its conversation."""
         previous: _Head | None = None
         conversation: StoredConversation | None = None
         if req.previous_response_id is not None:
@@ -585,7 +683,9 @@ class Gateway:
                 record = await self.store.get_response(conversation.head, owner=owner)
                 previous = None if record is None else _Head.of(record)
                 if previous is None:
-                    # The conversation's history is its latest response's: deleted, it cannot go on as it was.
+                    # Deleting a conversation's head clears it here (its items keep the history): this head was
+                    # deleted under a schema-1 store, whose conversations kept only their first items, or by another
+                    # gateway this very moment.
                     raise APIError(
                         404,
                         f"Conversation '{req.conversation}': its latest response ({conversation.head}) was deleted, "
@@ -593,24 +693,7 @@ class Gateway:
                         param="conversation",
                         code="conversation_not_found",
                     )
-        keys = (previous.id if previous else None, conversation.id if conversation else None)
-        if not self.chains.claim(*keys):
-            raise APIError(
-                409,
-                "a turn continuing this "
-                + ("conversation" if conversation else "response")
-                + " is still running; wait for it to finish, or name its response to go on from there",
-                param="conversation" if conversation else "previous_response_id",
-                code="conversation_busy",
-            )
-        try:
-            chat, how = await self._chat_for(req, previous, conversation)
-        except BaseException:
-            self.chains.release(*keys)
-            raise
-        return _Turn(
-            request=req, owner=owner, chat=chat, how=how, previous=previous, conversation=conversation, keys=keys
-        )
+        return previous, conversation
 
     async def _chat_for(
         self, req: ResponseRequest, previous: _Head | None, conversation: StoredConversation | None
@@ -740,9 +823,17 @@ class Gateway:
         )
         await self.store.put_response(record)
         if turn.conversation is not None:
+            # The conversation's items grow by this turn's input and output in the same write as its head moves, so
+            # they always equal the head's history (the instructions aside: OpenAI lists them as no item, and here
+            # they stand in for the system message).
+            turn_items = [message_item(item["id"], item["role"], m.text) for item, m in zip(items, req.messages,
+                                                                                            strict=True)]  # fmt: skip
+            turn_items.extend(body["output"])  # the reply's one message item, as the response shows it
+            pairs = [*_pairs(req.messages), ("assistant", reply.text)]  # as the chat keeps it (chat.messages)
             moved = await self.store.advance_conversation(
-                turn.conversation.id, owner=turn.owner, expected_head=turn.conversation.head, new_head=turn.id
-            )
+                turn.conversation.id, owner=turn.owner, expected_head=turn.conversation.head, new_head=turn.id,
+                items=turn_items, messages=pairs,
+            )  # fmt: skip
             if not moved:
                 # Another gateway moved the conversation meanwhile: this response stays, outside it.
                 _log.warning("conversation %s moved while a turn ran; response %s left out", turn.conversation.id,
@@ -818,6 +909,11 @@ class Gateway:
             record = await self.store.delete_response(response_id, owner=owner)
             if record is None:
                 raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
+            if record.conversation_id is not None:
+                # Its conversation goes on from its items, replayed: there is no head response left to continue.
+                await self.store.advance_conversation(
+                    record.conversation_id, owner=owner, expected_head=response_id, new_head=None
+                )
             if not await self.chains.forget(response_id) and record.chat_state is not None:
                 # Its conversation may still be live on the server (a gateway restarted since): END frees it.
                 with contextlib.suppress(TritonError):
@@ -988,11 +1084,100 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
             owner=owner,
             created_at=int(time.time()),
             metadata=req.metadata,
-            items=tuple({"id": _new_id("msg"), **item} for item in req.items),
+            items=_conversation_items(req.items, req.messages),
             messages=_pairs(req.messages),
             head=None,
         )
         await gateway.store.put_conversation(record)
+        return JSONResponse(_conversation_body(record))
+
+    async def owned_conversation(request: Request, owner: str) -> StoredConversation:
+        """The conversation the path names, when it is ``owner``'s; another key's is unknown (404), never busy."""
+        record = await gateway.store.get_conversation(request.path_params["id"], owner=owner)
+        if record is None:
+            raise _no_conversation(request.path_params["id"])
+        return record
+
+    @contextlib.asynccontextmanager
+    async def editing(conv_id: str) -> AsyncIterator[None]:
+        # An edit claims the conversation as a turn does: never while a turn in it runs (its head would move under
+        # the edit), and a turn starting meanwhile reads it again once the edit is done.
+        if not gateway.chains.claim(conv_id):
+            raise APIError(409, "a turn in this conversation is still running; edit it once the turn is done",
+                           code="conversation_busy")  # fmt: skip
+        try:
+            yield
+        finally:
+            gateway.chains.release(conv_id)
+
+    async def update_conversation(request: Request, owner: str) -> Response:
+        metadata = conversation_update_request(await gateway.body(request), gateway.limits)
+        await owned_conversation(request, owner)
+        record = await gateway.store.update_conversation(request.path_params["id"], owner=owner, metadata=metadata)
+        if record is None:
+            raise _no_conversation(request.path_params["id"])
+        return JSONResponse(_conversation_body(record))
+
+    async def list_items(request: Request, owner: str) -> Response:
+        query = item_list_query(request.query_params)
+        record = await owned_conversation(request, owner)
+        items = list(record.items)
+        if query.order == "desc":
+            items.reverse()
+        start = 0
+        if query.after is not None:
+            index = next((i for i, item in enumerate(items) if item.get("id") == query.after), None)
+            if index is None:
+                raise invalid("after", f"after: no item '{query.after}' in conversation '{record.id}'")
+            start = index + 1
+        page = items[start : start + query.limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": start + query.limit < len(items),
+            }
+        )
+
+    async def add_items(request: Request, owner: str) -> Response:
+        item_query(request.query_params)
+        req = conversation_items_request(await gateway.body(request), gateway.limits)
+        conv_id = (await owned_conversation(request, owner)).id
+        items = _conversation_items(req.items, req.messages)
+        async with editing(conv_id):
+            record = await gateway.store.add_conversation_items(
+                conv_id, owner=owner, items=items, messages=_pairs(req.messages)
+            )
+        if record is None:
+            raise _no_conversation(conv_id)
+        return JSONResponse(
+            {"object": "list", "data": list(items), "first_id": items[0]["id"], "last_id": items[-1]["id"],
+             "has_more": False}
+        )  # fmt: skip
+
+    def find_item(record: StoredConversation, item_id: str) -> dict[str, Any]:
+        item = next((i for i in record.items if i.get("id") == item_id), None)
+        if item is None:
+            raise APIError(404, f"Item with id '{item_id}' not found in conversation '{record.id}'.",
+                           param="item_id", code="item_not_found")  # fmt: skip
+        return item
+
+    async def get_item(request: Request, owner: str) -> Response:
+        item_query(request.query_params)
+        return JSONResponse(find_item(await owned_conversation(request, owner), request.path_params["item_id"]))
+
+    async def delete_item(request: Request, owner: str) -> Response:
+        item_id = request.path_params["item_id"]
+        find_item(await owned_conversation(request, owner), item_id)
+        conv_id = request.path_params["id"]
+        async with editing(conv_id):
+            record = await gateway.store.delete_conversation_item(conv_id, item_id, owner=owner)
+        if record is None:  # gone meanwhile (another gateway on the same store)
+            find_item(await owned_conversation(request, owner), item_id)
+            raise _no_conversation(conv_id)
+        # OpenAI answers with the conversation itself.
         return JSONResponse(_conversation_body(record))
 
     async def get_conversation(request: Request, owner: str) -> Response:
@@ -1047,6 +1232,19 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
         Route("/v1/conversations", endpoint("/v1/conversations", create_conversation), methods=["POST"]),
         Route("/v1/conversations/{id}", endpoint("/v1/conversations/{id}", get_conversation), methods=["GET"]),
         Route("/v1/conversations/{id}", endpoint("/v1/conversations/{id}", delete_conversation), methods=["DELETE"]),
+        Route("/v1/conversations/{id}", endpoint("/v1/conversations/{id}", update_conversation), methods=["POST"]),
+        Route("/v1/conversations/{id}/items", endpoint("/v1/conversations/{id}/items", list_items), methods=["GET"]),
+        Route("/v1/conversations/{id}/items", endpoint("/v1/conversations/{id}/items", add_items), methods=["POST"]),
+        Route(
+            "/v1/conversations/{id}/items/{item_id}",
+            endpoint("/v1/conversations/{id}/items/{item_id}", get_item),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/conversations/{id}/items/{item_id}",
+            endpoint("/v1/conversations/{id}/items/{item_id}", delete_item),
+            methods=["DELETE"],
+        ),
         Route("/metrics", endpoint("/metrics", metrics, auth=False)),
         Route("/health", endpoint("/health", health, auth=False)),
     ]
@@ -1074,6 +1272,15 @@ def _chat_usage(usage: _Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt + usage.completion,
         "prompt_tokens_details": {"cached_tokens": usage.cached},
     }
+
+
+def _no_conversation(conv_id: str) -> APIError:
+    return APIError(404, f"Conversation with id '{conv_id}' not found.", code="conversation_not_found")
+
+
+def _conversation_items(given: Sequence[dict[str, Any]], messages: Sequence[ChatMessage]) -> tuple[dict[str, Any], ...]:
+    """Items as a conversation lists them, each with a new id (one per message, its role as given)."""
+    return tuple(message_item(_new_id("msg"), item["role"], m.text) for item, m in zip(given, messages, strict=True))
 
 
 def _conversation_body(record: StoredConversation) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI API, checked and turned into frozen values before anything costs a token.
 
 Each endpoint's body is read by one function (:func:`chat_request`, :func:`embedding_request`,
-:func:`response_request`, :func:`conversation_request`). The rules, the same for all:
+:func:`response_request`, :func:`conversation_request`, :func:`conversation_items_request`,
+:func:`conversation_update_request`; the item routes' queries by :func:`item_list_query` and :func:`item_query`).
+The rules, the same for all:
 
 - **Known parameters only.** A parameter this gateway implements is checked (type, range, caps); one it does not
   implement (``n`` > 1, ``logprobs``, ``tools``, images, audio, ...) is refused
@@ -10,7 +12,8 @@ Each endpoint's body is read by one function (:func:`chat_request`, :func:`embed
   ``logit_bias: {}``) is accepted: it asks for nothing.
 - **Caps before cost.** Message counts, text bytes, stop strings and embedding inputs are capped here (see
   :class:`Limits`), so an absurd request is refused before it reaches a replica.
-- **Text only.** Content is a string or a list of text parts; any other part type is refused.
+- **Text only.** Content is a string or a list of text parts; any other part type is refused. Embeddings also take
+  token arrays, the encoder's own ids (:mod:`._tokens`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,14 @@ __all__ = [
     "Limits",
     "ResponseRequest",
     "chat_request",
+    "ConversationItemsRequest",
+    "ItemListQuery",
+    "conversation_items_request",
     "conversation_request",
+    "conversation_update_request",
     "embedding_request",
+    "item_list_query",
+    "item_query",
     "format_echo",
     "response_request",
 ]
@@ -54,7 +63,10 @@ class Limits:
     max_stop_bytes: int = 256
     max_embedding_inputs: int = 2048
     max_embedding_text_bytes: int = 65536
+    # One token array's ids: OpenAI's own cap on an embedding input (LangChain sends chunks of up to 8191).
+    max_embedding_token_ids: int = 8192
     max_metadata_pairs: int = 16
+    max_conversation_items: int = 20  # items one POST /v1/conversations/{id}/items adds, OpenAI's cap
     max_tokens: int = 32768
 
 
@@ -96,8 +108,10 @@ class ChatRequest:
 @attrs.frozen(kw_only=True)
 class EmbeddingRequest:
     model: str
-    texts: tuple[str, ...]
-    single: bool  # input was one string (the response still lists one embedding)
+    texts: tuple[str, ...]  # empty when the input is token arrays
+    #: The input as token arrays (the encoder's own ids), or None when it is text.
+    token_ids: tuple[tuple[int, ...], ...] | None = None
+    single: bool  # input was one string or one token array (the response still lists one embedding)
     base64: bool
     user: str | None
 
@@ -124,6 +138,23 @@ class ConversationRequest:
     messages: tuple[ChatMessage, ...]
     items: tuple[dict[str, Any], ...]
     metadata: dict[str, str]
+
+
+@attrs.frozen(kw_only=True)
+class ConversationItemsRequest:
+    """``POST /v1/conversations/{id}/items``: the messages to append, and the items as given (one per message)."""
+
+    messages: tuple[ChatMessage, ...]
+    items: tuple[dict[str, Any], ...]
+
+
+@attrs.frozen(kw_only=True)
+class ItemListQuery:
+    """``GET /v1/conversations/{id}/items``: a page of ``limit`` items after the item ``after``, in ``order``."""
+
+    limit: int
+    order: str  # "asc" (oldest first) or "desc"
+    after: str | None
 
 
 # --- small readers ----------------------------------------------------------------------------------------------
@@ -512,30 +543,59 @@ def _generation(
 _EMBED_KEYS: Final = frozenset({"model", "input", "encoding_format", "user"})
 
 
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_array(where: str, row: object, limits: Limits) -> tuple[int, ...]:
+    if not isinstance(row, list) or not row:
+        raise invalid(where, f"{where}: an empty token array has no embedding")
+    if len(row) > limits.max_embedding_token_ids:
+        raise invalid(where, f"{where}: at most {limits.max_embedding_token_ids} token ids, given {len(row)}")
+    for j, value in enumerate(row):
+        if not _is_id(value) or not 0 <= value <= _INT64_MAX:
+            shown = _shown(value)
+            raise invalid(f"{where}[{j}]", f"{where}[{j}]: expected a token id (an integer >= 0), given {shown}")
+    return tuple(row)
+
+
 def embedding_request(raw: object, limits: Limits) -> EmbeddingRequest:
-    """``POST /v1/embeddings``: ``input`` a string or an array of strings (token arrays are refused)."""
+    """``POST /v1/embeddings``: ``input`` a string, an array of strings, a token array (integers) or an array of token
+    arrays. Token ids are the encoder's own (its tokenizer's vocabulary): the gateway cannot tell another
+    tokenizer's ids from them, so the encoder checks them against its vocabulary (see ``Gateway.embeddings``)."""
     body = _body(raw)
     _check_keys(body, _EMBED_KEYS)
     model = _str(body, "model", required=True)
     assert model is not None
     value = body.get("input")
-    single = isinstance(value, str)
-    texts = [value] if single else value
-    if not isinstance(texts, list) or not texts:
-        raise invalid("input", f"input: expected a string or a non-empty array of strings, given {_kind(value)}")
-    if len(texts) > limits.max_embedding_inputs:
-        raise invalid("input", f"input: at most {limits.max_embedding_inputs} texts, given {len(texts)}")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            if isinstance(text, int | list):
-                raise refused(f"input[{i}]", "token arrays as input (give the text)")
-            raise invalid(f"input[{i}]", f"input[{i}]: expected a string, given {_kind(text)}")
-        if not text:
-            raise invalid(f"input[{i}]", f"input[{i}]: an empty string has no embedding")
-        _utf8(f"input[{i}]", text, limits.max_embedding_text_bytes)
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64", None):
         raise invalid("encoding_format", f"encoding_format: expected 'float' or 'base64', given {_shown(encoding)}")
+    expected = "a string, an array of strings, a token array or an array of token arrays"
+    if isinstance(value, list) and value and _is_id(value[0]):
+        # One token array, as OpenAI reads an array of integers: one input.
+        row = _token_array("input", value, limits)
+        return EmbeddingRequest(model=model, texts=(), token_ids=(row,), single=True, base64=encoding == "base64",
+                                user=_str(body, "user"))  # fmt: skip
+    single = isinstance(value, str)
+    texts = [value] if single else value
+    if not isinstance(texts, list) or not texts:
+        raise invalid("input", f"input: expected {expected} (non-empty), given {_kind(value)}")
+    if len(texts) > limits.max_embedding_inputs:
+        raise invalid("input", f"input: at most {limits.max_embedding_inputs} inputs, given {len(texts)}")
+    if isinstance(texts[0], list):
+        for i, row in enumerate(texts):
+            if not isinstance(row, list):
+                raise invalid(f"input[{i}]", f"input[{i}]: expected a token array like input[0], given {_kind(row)}")
+        rows = tuple(_token_array(f"input[{i}]", row, limits) for i, row in enumerate(texts))
+        return EmbeddingRequest(model=model, texts=(), token_ids=rows, single=False, base64=encoding == "base64",
+                                user=_str(body, "user"))  # fmt: skip
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise invalid(f"input[{i}]", f"input[{i}]: expected a string like input[0], given {_kind(text)}")
+        if not text:
+            raise invalid(f"input[{i}]", f"input[{i}]: an empty string has no embedding")
+        _utf8(f"input[{i}]", text, limits.max_embedding_text_bytes)
     return EmbeddingRequest(
         model=model, texts=tuple(texts), single=single, base64=encoding == "base64", user=_str(body, "user")
     )
@@ -648,3 +708,67 @@ def conversation_request(raw: object, limits: Limits) -> ConversationRequest:
     if value is not None and value != []:
         messages, items = _items("items", value, limits)
     return ConversationRequest(messages=tuple(messages), items=tuple(items), metadata=_metadata(body, limits))
+
+
+def conversation_items_request(raw: object, limits: Limits) -> ConversationItemsRequest:
+    """``POST /v1/conversations/{id}/items``: ``items``, 1 to ``max_conversation_items`` messages, read as input
+    items are (an output item the gateway wrote is taken back as it is)."""
+    body = _body(raw)
+    _check_keys(body, frozenset({"items"}))
+    value = body.get("items")
+    if isinstance(value, list) and len(value) > limits.max_conversation_items:
+        raise invalid("items", f"items: at most {limits.max_conversation_items} items a request, given {len(value)}")
+    if isinstance(value, str) or value is None:
+        raise invalid("items", f"items: expected a non-empty array of message items, given {_kind(value)}")
+    messages, items = _items("items", value, limits)
+    return ConversationItemsRequest(messages=tuple(messages), items=tuple(items))
+
+
+def conversation_update_request(raw: object, limits: Limits) -> dict[str, str]:
+    """``POST /v1/conversations/{id}``: the new ``metadata`` (required: it is all there is to update)."""
+    body = _body(raw)
+    _check_keys(body, frozenset({"metadata"}))
+    if body.get("metadata") is None:
+        raise APIError(
+            400, "Missing required parameter: 'metadata'.", param="metadata", code="missing_required_parameter"
+        )
+    return _metadata(body, limits)
+
+
+_MAX_PAGE: Final = 100
+
+
+def _include_query(params: Mapping[str, str]) -> None:
+    # The openai client sends a list as include[]=a&include[]=b: every value counts (Starlette's getlist).
+    getlist = getattr(params, "getlist", None)
+    for key in ("include", "include[]"):
+        values = getlist(key) if getlist is not None else [params[key]] if key in params else []
+        for value in values:
+            if value != _LOGPROBS_INCLUDE:
+                raise refused("include", f"extra item data other than {_LOGPROBS_INCLUDE} (given {_shown(value)})")
+
+
+def item_query(params: Mapping[str, str]) -> None:
+    """The query of the other item routes: ``include`` only (the log-probabilities, which items carry already)."""
+    for key in params:
+        if key not in ("include", "include[]"):
+            raise APIError(400, f"Unrecognized query parameter: {key}", param=key, code="unknown_parameter")
+    _include_query(params)
+
+
+def item_list_query(params: Mapping[str, str]) -> ItemListQuery:
+    """The query of ``GET /v1/conversations/{id}/items``: ``limit`` (1..100, default 20), ``order`` (``desc``, the
+    default, newest first, or ``asc``), ``after`` (an item id: the page starts past it, in that order) and
+    ``include`` (only the log-probabilities, which the items carry already when their response had them)."""
+    for key in params:
+        if key not in ("limit", "order", "after", "include", "include[]"):
+            raise APIError(400, f"Unrecognized query parameter: {key}", param=key, code="unknown_parameter")
+    raw_limit = params.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= _MAX_PAGE:
+        raise invalid("limit", f"limit: expected an integer in 1..{_MAX_PAGE}, given {_shown(raw_limit)}")
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", f"order: expected 'asc' or 'desc', given {_shown(order)}")
+    _include_query(params)
+    after = params.get("after") or None
+    return ItemListQuery(limit=int(raw_limit), order=order, after=after)

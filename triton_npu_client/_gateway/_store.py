@@ -1,10 +1,11 @@
 """The gateway's response store: the responses and conversations it keeps, so a later request can go on from them.
 
 OpenAI's Responses API keeps a response (``store=true``, the default) so that a later request can continue it
-(``previous_response_id``), fetch it, delete it or list its input items; a Conversation's head moves with each
-response added to it. The gateway keeps, per response, the whole conversation after it as plain messages (what a
-fresh chat would replay) and an opaque ``chat_state`` (how to resume the live conversation on the server), so a
-chain survives a gateway restart, and deleting one response of a chain never breaks the responses after it.
+(``previous_response_id``), fetch it, delete it or list its input items; a Conversation holds its items (listed,
+added to and deleted one by one) and its head moves with each response added to it. The gateway keeps, per
+response, the whole conversation after it as plain messages (what a fresh chat would replay) and an opaque
+``chat_state`` (how to resume the live conversation on the server), so a chain survives a gateway restart, and
+deleting one response of a chain never breaks the responses after it.
 
 ::
 
@@ -23,14 +24,22 @@ chain survives a gateway restart, and deleting one response of a chain never bre
   of another owner is indistinguishable from a missing one: ``get_*`` returns None, ``delete_*`` does nothing, and
   ``advance_conversation`` returns False, so the gateway answers 404 for both. Ids are unique across owners: a
   second ``put_*`` of an id raises :class:`DuplicateIdError` whoever owns the first.
-- **Heads.** ``advance_conversation`` is a compare-and-set in one ``UPDATE ... WHERE head IS ?``: atomic even
-  between two gateway processes sharing one file. False means the head moved (or the conversation is gone).
+- **Heads.** ``advance_conversation`` is a compare-and-set (one ``UPDATE ... WHERE head IS ?``, or, when it appends
+  the turn's items, a read and a write under SQLite's write lock): atomic even between two gateway processes sharing
+  one file. False means the head moved (or the conversation is gone).
+- **Items.** A conversation's ``items`` are all of it, in order: those it was created with, those added through the
+  items API, and each response's input and output; ``messages`` are the same as (role, text) pairs, one per item.
+  Adding or deleting items (``add_conversation_items``, ``delete_conversation_item``) clears the head in the same
+  write: the server's conversation of the head no longer matches the items, so the next turn replays the items
+  instead of continuing it.
 - **No caps.** The store keeps what it is given; the gateway caps inputs before storing.
 - **SQLite** (standard library only): one worker thread owns the one connection and runs every call in turn, so
   the event loop never waits on the disk and calls never interleave; WAL journal mode (readers never wait for a
   writer, and a second process may share the file), ``synchronous=NORMAL`` (a crash of the process loses nothing
   committed; a power cut may lose the last commits, never corrupt the file) and a busy timeout for the moments when
-  another process writes. A table records the schema version; a newer one is refused (:class:`StoreError`).
+  another process writes. A table records the schema version; a newer one is refused (:class:`StoreError`), an
+  older one is migrated when the file is opened (version 1 kept a conversation's first items only: version 2 fills
+  them in from the head response's history).
 - **Files it did not make are left alone.** An existing non-empty file must start with SQLite's header, and an SQLite
   database must hold no tables or this store's own: anything else is a :class:`StoreError` naming the path, and
   the file is left byte for byte as it was. A new file is made readable by its owner only (it holds conversations).
@@ -44,6 +53,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import secrets
 import sqlite3
 import stat
 import sys
@@ -68,10 +78,12 @@ __all__ = [
     "StoredConversation",
     "StoredResponse",
     "default_store_path",
+    "message_item",
 ]
 
-# The schema this code writes; a file of a later one is refused (an older gateway must not half-understand it).
-SCHEMA_VERSION: Final = 1
+# The schema this code writes; a file of a later one is refused (an older gateway must not half-understand it), an
+# earlier one migrated (see _migrate). 2: a conversation's items are all of its items, not only its first ones.
+SCHEMA_VERSION: Final = 2
 RESPONSE_STATUSES: Final = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 _SQLITE_HEADER: Final = b"SQLite format 3\x00"
@@ -154,9 +166,12 @@ class StoredResponse:
 
 @attrs.frozen(kw_only=True)
 class StoredConversation:
-    """One stored conversation: what it was created with, and ``head``, the latest response in it (None: none yet).
+    """One stored conversation: its items, and ``head``, the response whose conversation on the server it continues.
 
-    ``items`` are the initial items given at creation and ``messages`` the same as (role, text) pairs.
+    ``items`` are all its items as the API lists them (each with an ``id``), in order, and ``messages`` the same as
+    (role, text) pairs, one per item. ``head`` is the latest response added to it, whose history equals the items;
+    None when there is none yet, or once items were added or deleted through the items API (the next turn then
+    replays ``messages``).
     """
 
     id: str
@@ -201,9 +216,39 @@ class ResponseStore(Protocol):
         """Delete the conversation (its responses stay); False when it is missing or another owner's."""
         ...
 
-    async def advance_conversation(self, id: str, /, *, owner: str, expected_head: str | None, new_head: str) -> bool:
-        """Set the head to ``new_head`` if it is still ``expected_head``; False when it moved, or the conversation
-        is missing or another owner's."""
+    async def advance_conversation(
+        self,
+        id: str,
+        /,
+        *,
+        owner: str,
+        expected_head: str | None,
+        new_head: str | None,
+        items: Sequence[dict[str, Any]] = (),
+        messages: Sequence[Sequence[str]] = (),
+    ) -> bool:
+        """Set the head to ``new_head`` if it is still ``expected_head``, appending ``items`` and ``messages`` (a
+        turn's) in the same write; False, changing nothing, when it moved, or the conversation is missing or another
+        owner's."""
+        ...
+
+    async def add_conversation_items(
+        self, id: str, /, *, owner: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]]
+    ) -> StoredConversation | None:
+        """Append items (and their messages, one each) and clear the head; the conversation as it is now, or None
+        when it is missing or another owner's."""
+        ...
+
+    async def delete_conversation_item(self, id: str, item_id: str, /, *, owner: str) -> StoredConversation | None:
+        """Delete one item (and its message) and clear the head; the conversation as it is now, or None (nothing
+        changed) when it is missing, another owner's, or holds no such item."""
+        ...
+
+    async def update_conversation(
+        self, id: str, /, *, owner: str, metadata: Mapping[str, str]
+    ) -> StoredConversation | None:
+        """Replace the conversation's metadata; the conversation as it is now, or None when it is missing or another
+        owner's."""
         ...
 
     async def aclose(self) -> None:
@@ -271,6 +316,34 @@ def _duplicate(kind: str, record_id: str) -> DuplicateIdError:
     return DuplicateIdError(f"a {kind} with id {record_id!r} is stored already: ids are unique", record_id=record_id)
 
 
+def _check_items(id: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]]) -> None:
+    """Refuse, before anything changes, items that cannot be stored or that do not pair with their messages."""
+    if len(items) != len(messages):
+        raise RecordError(f"conversation {id!r}: {len(items)} items and {len(messages)} messages: one message per item")
+    _dumps(list(items), field="items", record_id=id)
+    _messages(messages)
+
+
+def _with_items(
+    c: StoredConversation, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]], head: str | None
+) -> StoredConversation:
+    return attrs.evolve(c, items=(*c.items, *items), messages=(*c.messages, *_messages(messages)), head=head)
+
+
+def _without_item(c: StoredConversation, item_id: str) -> StoredConversation | None:
+    """``c`` less the item ``item_id`` and its message, its head cleared; None when it has no such item."""
+    index = next((i for i, item in enumerate(c.items) if item.get("id") == item_id), None)
+    if index is None:
+        return None
+    # Items and messages pair one to one (every write keeps them so): the item's message is at the same index.
+    return attrs.evolve(
+        c,
+        items=c.items[:index] + c.items[index + 1 :],
+        messages=c.messages[:index] + c.messages[index + 1 :],
+        head=None,
+    )
+
+
 # --- in memory ------------------------------------------------------------------------------------------------------
 
 
@@ -336,14 +409,54 @@ class MemoryStore:
         del self._conversations[id]
         return True
 
-    async def advance_conversation(self, id: str, /, *, owner: str, expected_head: str | None, new_head: str) -> bool:
+    async def advance_conversation(
+        self,
+        id: str,
+        /,
+        *,
+        owner: str,
+        expected_head: str | None,
+        new_head: str | None,
+        items: Sequence[dict[str, Any]] = (),
+        messages: Sequence[Sequence[str]] = (),
+    ) -> bool:
         self._check_open()
+        _check_items(id, items, messages)
         # No await between the read and the write: on one event loop this is as atomic as SQLite's UPDATE.
         row = self._conversations.get(id)
         if row is None or row[1] != owner or row[6] != expected_head:
             return False
-        self._conversations[id] = (*row[:6], new_head)
+        self._conversations[id] = _conversation_row(_with_items(_conversation_from_row(row), items, messages, new_head))
         return True
+
+    def _change(
+        self, id: str, owner: str, change: Callable[[StoredConversation], StoredConversation | None]
+    ) -> StoredConversation | None:
+        self._check_open()
+        row = self._conversations.get(id)
+        if row is None or row[1] != owner:
+            return None
+        changed = change(_conversation_from_row(row))
+        if changed is None:
+            return None
+        encoded = _conversation_row(changed)
+        self._conversations[id] = encoded
+        return _conversation_from_row(encoded)
+
+    async def add_conversation_items(
+        self, id: str, /, *, owner: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]]
+    ) -> StoredConversation | None:
+        _check_items(id, items, messages)
+        return self._change(id, owner, lambda c: _with_items(c, items, messages, None))
+
+    async def delete_conversation_item(self, id: str, item_id: str, /, *, owner: str) -> StoredConversation | None:
+        return self._change(id, owner, lambda c: _without_item(c, item_id))
+
+    async def update_conversation(
+        self, id: str, /, *, owner: str, metadata: Mapping[str, str]
+    ) -> StoredConversation | None:
+        _metadata(metadata)  # a TypeError before any change, as SQLiteStore's
+        return self._change(id, owner, lambda c: attrs.evolve(c, metadata=metadata))
 
     async def aclose(self) -> None:
         self._closed = True
@@ -465,6 +578,10 @@ class SQLiteStore:
                     )
                 for statement in _SCHEMA:
                     conn.execute(statement)
+                if isinstance(found, int) and found < SCHEMA_VERSION:
+                    # In the same transaction as the version's change: a migration is all done, or not at all.
+                    _migrate(conn, found)
+                    conn.execute(f"UPDATE {_VERSION_TABLE} SET version = ?", (SCHEMA_VERSION,))
         except BaseException as e:
             conn.close()
             if isinstance(e, sqlite3.Error):
@@ -572,17 +689,83 @@ class SQLiteStore:
 
         return await self._run(delete)
 
-    async def advance_conversation(self, id: str, /, *, owner: str, expected_head: str | None, new_head: str) -> bool:
+    async def advance_conversation(
+        self,
+        id: str,
+        /,
+        *,
+        owner: str,
+        expected_head: str | None,
+        new_head: str | None,
+        items: Sequence[dict[str, Any]] = (),
+        messages: Sequence[Sequence[str]] = (),
+    ) -> bool:
+        _check_items(id, items, messages)  # in the caller: a RecordError is the caller's, not the database's
+
         def advance(conn: sqlite3.Connection) -> bool:
-            # One statement, so the compare and the set are one atomic step, also against another process.
-            # IS, not =: "head = NULL" is never true, and a new conversation's head is NULL.
-            cursor = conn.execute(
-                "UPDATE conversations SET head = ? WHERE id = ? AND owner = ? AND head IS ?",
-                (new_head, id, owner, expected_head),
-            )
-            return cursor.rowcount == 1
+            if not items:
+                # One statement, so the compare and the set are one atomic step, also against another process.
+                # IS, not =: "head = NULL" is never true, and a new conversation's head is NULL.
+                cursor = conn.execute(
+                    "UPDATE conversations SET head = ? WHERE id = ? AND owner = ? AND head IS ?",
+                    (new_head, id, owner, expected_head),
+                )
+                return cursor.rowcount == 1
+            # The items are appended to what is stored: read and written under one write lock, so another process
+            # can neither move the head nor add items in between.
+            with _immediate(conn):
+                found = self._conversation(conn, id, owner)
+                if found is None or found.head != expected_head:
+                    return False
+                self._write_conversation(conn, _with_items(found, items, messages, new_head))
+            return True
 
         return await self._run(advance)
+
+    @staticmethod
+    def _conversation(conn: sqlite3.Connection, id: str, owner: str) -> StoredConversation | None:
+        row = conn.execute(
+            f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE id = ? AND owner = ?", (id, owner)
+        ).fetchone()
+        return None if row is None else _conversation_from_row(row)
+
+    @staticmethod
+    def _write_conversation(conn: sqlite3.Connection, c: StoredConversation) -> None:
+        _, _, _, metadata, items, messages, head = _conversation_row(c)
+        conn.execute(
+            "UPDATE conversations SET metadata = ?, items = ?, messages = ?, head = ? WHERE id = ? AND owner = ?",
+            (metadata, items, messages, head, c.id, c.owner),
+        )
+
+    async def _change(
+        self, id: str, owner: str, change: Callable[[StoredConversation], StoredConversation | None]
+    ) -> StoredConversation | None:
+        def run(conn: sqlite3.Connection) -> StoredConversation | None:
+            # Read, change and write under one write lock: of two processes changing one conversation, each sees the
+            # other's change.
+            with _immediate(conn):
+                found = self._conversation(conn, id, owner)
+                changed = None if found is None else change(found)
+                if changed is not None:
+                    self._write_conversation(conn, changed)
+            return changed
+
+        return await self._run(run)
+
+    async def add_conversation_items(
+        self, id: str, /, *, owner: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]]
+    ) -> StoredConversation | None:
+        _check_items(id, items, messages)
+        return await self._change(id, owner, lambda c: _with_items(c, items, messages, None))
+
+    async def delete_conversation_item(self, id: str, item_id: str, /, *, owner: str) -> StoredConversation | None:
+        return await self._change(id, owner, lambda c: _without_item(c, item_id))
+
+    async def update_conversation(
+        self, id: str, /, *, owner: str, metadata: Mapping[str, str]
+    ) -> StoredConversation | None:
+        _dumps(_metadata(metadata), field="metadata", record_id=id)  # in the caller, before any change
+        return await self._change(id, owner, lambda c: attrs.evolve(c, metadata=metadata))
 
     async def aclose(self) -> None:
         """Close the connection once the calls already made have run; closing twice is harmless."""
@@ -606,6 +789,47 @@ class SQLiteStore:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
+
+
+def _migrate(conn: sqlite3.Connection, version: int) -> None:
+    """Bring a store of schema ``version`` to :data:`SCHEMA_VERSION`, inside the caller's write transaction.
+
+    1 -> 2: version 1 kept a conversation's first items only (its history was its head response's). A conversation
+    with a head gets the head's history as its items, one message item each, so that listing, adding and deleting
+    items start from the whole conversation. A conversation whose head response is gone keeps what it had (its next
+    turn is refused as before: its history went with that response).
+    """
+    if version < 2:
+        rows = conn.execute("SELECT id, owner, head FROM conversations WHERE head IS NOT NULL").fetchall()
+        for conversation_id, owner, head in rows:
+            found = conn.execute("SELECT messages FROM responses WHERE id = ? AND owner = ?", (head, owner)).fetchone()
+            if found is None:
+                continue
+            pairs = _messages(json.loads(found[0]))
+            items = [message_item(_new_item_id(), role, text) for role, text in pairs]
+            conn.execute(
+                "UPDATE conversations SET items = ?, messages = ? WHERE id = ?",
+                (
+                    _dumps(items, field="items", record_id=conversation_id),
+                    _dumps(pairs, field="messages", record_id=conversation_id),
+                    conversation_id,
+                ),
+            )
+
+
+def _new_item_id() -> str:
+    return f"msg_{secrets.token_hex(24)}"
+
+
+def message_item(item_id: str, role: str, text: str) -> dict[str, Any]:
+    """A conversation's message item as the API lists it: an assistant's text is an ``output_text`` part, written as
+    the gateway writes its output (empty annotations and logprobs), anyone else's an ``input_text`` part."""
+    part: dict[str, Any] = (
+        {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        if role == "assistant"
+        else {"type": "input_text", "text": text}
+    )
+    return {"id": item_id, "type": "message", "role": role, "status": "completed", "content": [part]}
 
 
 @contextlib.contextmanager
