@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from openai import AsyncOpenAI
 
-from triton_npu_client import LocalTriton
+from triton_npu_client import Client, LocalTriton
+from triton_npu_client._gateway import OpenAIGateway
 from triton_npu_client._local._server import temp_folder_prefix
 
 
@@ -75,3 +77,27 @@ def seed(request: pytest.FixtureRequest) -> Callable[[int], int]:
         return value
 
     return choose
+
+
+# -- the OpenAI gateway's test files: a client of the session's server, an embedded gateway on it, openai on that ---
+
+
+@pytest.fixture
+async def client(triton_server: LocalTriton) -> AsyncIterator[Client]:
+    """A client of the session's server (a test file may define its own)."""
+    async with Client(triton_server.grpc_url, timeout_s=120) as c:
+        yield c
+
+
+@pytest.fixture
+async def gateway(client: Client) -> AsyncIterator[OpenAIGateway]:
+    """The OpenAI gateway embedded in the test's event loop, on a free loopback port."""
+    async with OpenAIGateway(client, port=0) as gw:
+        yield gw
+
+
+@pytest.fixture
+async def oa(gateway: OpenAIGateway) -> AsyncIterator[AsyncOpenAI]:
+    """The real openai client on the gateway."""
+    async with AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as c:
+        yield c

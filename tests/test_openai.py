@@ -36,22 +36,7 @@ GREEDY: dict[str, Any] = {"temperature": 0}
 QUESTIONS = ("Where is the house?", "Who lives there?", "What did she say?", "And then?", "Why so?", "How long?")
 
 
-@pytest.fixture
-async def client(triton_server: LocalTriton) -> AsyncIterator[Client]:
-    async with Client(triton_server.grpc_url, timeout_s=120) as c:
-        yield c
-
-
-@pytest.fixture
-async def gateway(client: Client) -> AsyncIterator[OpenAIGateway]:
-    async with OpenAIGateway(client, port=0) as gw:
-        yield gw
-
-
-@pytest.fixture
-async def oa(gateway: OpenAIGateway) -> AsyncIterator[AsyncOpenAI]:
-    async with AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as c:
-        yield c
+# The fixtures client, gateway (an embedded OpenAIGateway) and oa (AsyncOpenAI on it) are conftest.py's.
 
 
 async def twin(oa: AsyncOpenAI, messages: list[dict[str, str]], tokens: int = TOKENS) -> str:

@@ -27,7 +27,6 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from triton_npu_client import Client, LocalTriton
 from triton_npu_client._gateway import OpenAIGateway
 
 # Before the libraries are imported: openai-agents reads it when its trace provider is made.
@@ -103,22 +102,7 @@ def _litellm_tokenizers() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
 
 
-@pytest.fixture
-async def client(triton_server: LocalTriton) -> AsyncIterator[Client]:
-    async with Client(triton_server.grpc_url, timeout_s=120) as c:
-        yield c
-
-
-@pytest.fixture
-async def gateway(client: Client) -> AsyncIterator[OpenAIGateway]:
-    async with OpenAIGateway(client, port=0) as gw:
-        yield gw
-
-
-@pytest.fixture
-async def oa(gateway: OpenAIGateway) -> AsyncIterator[AsyncOpenAI]:
-    async with AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as c:
-        yield c
+# The fixtures client, gateway (an embedded OpenAIGateway) and oa (AsyncOpenAI on it) are conftest.py's.
 
 
 @pytest.fixture

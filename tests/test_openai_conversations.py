@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from triton_npu_client import Client, LocalTriton
+from triton_npu_client import Client
 from triton_npu_client._gateway import GatewayOptions, MemoryStore, OpenAIGateway, SQLiteStore
 from triton_npu_client._gateway._store import (
     SCHEMA_VERSION,
@@ -32,22 +32,7 @@ TOKENS = 8
 GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": TOKENS}
 
 
-@pytest.fixture
-async def client(triton_server: LocalTriton) -> AsyncIterator[Client]:
-    async with Client(triton_server.grpc_url, timeout_s=120) as c:
-        yield c
-
-
-@pytest.fixture
-async def gateway(client: Client) -> AsyncIterator[OpenAIGateway]:
-    async with OpenAIGateway(client, port=0) as gw:
-        yield gw
-
-
-@pytest.fixture
-async def oa(gateway: OpenAIGateway) -> AsyncIterator[AsyncOpenAI]:
-    async with AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as c:
-        yield c
+# The fixtures client, gateway (an embedded OpenAIGateway) and oa (AsyncOpenAI on it) are conftest.py's.
 
 
 async def twin(oa: AsyncOpenAI, said: list[tuple[str, str]]) -> tuple[str, int]:

@@ -9,7 +9,6 @@ whose ids they must be.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from triton_npu_client import Client, LocalTriton
+from triton_npu_client import Client
 from triton_npu_client._gateway import OpenAIGateway
 
 TEXTS = ["a cat sat on the mat", "The stock market fell.", "é ü 漢字", "Emma Woodhouse, handsome, clever, and rich"]
@@ -27,22 +26,7 @@ VOCABULARY = 30522  # all-MiniLM-L6-v2's WordPiece vocabulary
 CLS, SEP = 101, 102
 
 
-@pytest.fixture
-async def client(triton_server: LocalTriton) -> AsyncIterator[Client]:
-    async with Client(triton_server.grpc_url, timeout_s=120) as c:
-        yield c
-
-
-@pytest.fixture
-async def gateway(client: Client) -> AsyncIterator[OpenAIGateway]:
-    async with OpenAIGateway(client, port=0) as gw:
-        yield gw
-
-
-@pytest.fixture
-async def oa(gateway: OpenAIGateway) -> AsyncIterator[AsyncOpenAI]:
-    async with AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as c:
-        yield c
+# The fixtures client, gateway (an embedded OpenAIGateway) and oa (AsyncOpenAI on it) are conftest.py's.
 
 
 async def own_ids(client: Client, texts: list[str]) -> list[list[int]]:

@@ -8,7 +8,6 @@ chat model, whose free text is near gibberish: a reply that validates does so be
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx2 as httpx
@@ -18,7 +17,6 @@ import pytest
 from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 
-from triton_npu_client import Client, LocalTriton
 from triton_npu_client._gateway import OpenAIGateway
 
 
@@ -36,22 +34,7 @@ CROWD: dict[str, Any] = {
 }  # fmt: skip
 
 
-@pytest.fixture
-async def client(triton_server: LocalTriton) -> AsyncIterator[Client]:
-    async with Client(triton_server.grpc_url, timeout_s=120) as c:
-        yield c
-
-
-@pytest.fixture
-async def gateway(client: Client) -> AsyncIterator[OpenAIGateway]:
-    async with OpenAIGateway(client, port=0) as gw:
-        yield gw
-
-
-@pytest.fixture
-async def oa(gateway: OpenAIGateway) -> AsyncIterator[AsyncOpenAI]:
-    async with AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as c:
-        yield c
+# The fixtures client, gateway (an embedded OpenAIGateway) and oa (AsyncOpenAI on it) are conftest.py's.
 
 
 async def test_chat_completions_parse_gives_a_valid_object(oa: AsyncOpenAI) -> None:
