@@ -101,3 +101,18 @@ async def oa(gateway: OpenAIGateway) -> AsyncIterator[AsyncOpenAI]:
     """The real openai client on the gateway."""
     async with AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def chat_only_server() -> Iterator[LocalTriton]:
+    """A server of the test file's own with only the chat model, for perf_analyzer's chat runs.
+
+    perf_analyzer 2.38 hung at concurrency 4 on the session server's ``chat`` in two fresh-clone suite runs (its
+    worker waiting in WaitForOngoingRequests, the server reporting every request answered and none pending), after
+    the rest of that worker's files had used the server; alone it never did. The cause is not found; a server that
+    nothing else has used keeps perf_analyzer's run from whatever state the others leave.
+    """
+    server = LocalTriton(model_control_mode="explicit", load_models=["chat"], stop_grace_s=0)
+    with server:
+        yield server
+    assert server.processes() == []

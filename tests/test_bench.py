@@ -12,7 +12,6 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,21 +108,6 @@ def test_table_prints_crashed_rows_without_ratios() -> None:
     assert cells[:3] == ["this client (streaming sessions)", "16", "crashed"]
     assert set(cells[3:]) == {"-"}
     assert [c.strip() for c in lines[2].strip("|").split("|")][-2] == "1.00x"
-
-
-@pytest.fixture(scope="module")
-def chat_only_server() -> Iterator[LocalTriton]:
-    """A server of this file's own with only the chat model, for perf_analyzer's chat runs.
-
-    perf_analyzer 2.38 hung at concurrency 4 on the session server's ``chat`` in two fresh-clone suite runs (its
-    worker waiting in WaitForOngoingRequests, the server reporting every request answered and none pending), after
-    the rest of that worker's files had used the server; alone it never did. The cause is not found; a server that
-    nothing else has used keeps perf_analyzer's run from whatever state the others leave.
-    """
-    server = LocalTriton(model_control_mode="explicit", load_models=["chat"], stop_grace_s=0)
-    with server:
-        yield server
-    assert server.processes() == []
 
 
 def test_chat_perf_analyzer_quick(chat_only_server: LocalTriton, tmp_path: Path) -> None:

@@ -240,6 +240,7 @@ def test_a_cancelled_constrained_turn_leaves_no_trace(at_piece: int) -> None:
         ('{"type": "xml"}', "'type' must be one of"),
         ("not json", "not JSON"),
         ("[1, 2]", "JSON object"),
+        ('{"type": "json_schema", "schema": ' + "[" * 30000 + "]" * 30000 + "}", "nested too deeply"),
     ],
 )
 def test_a_constraint_that_cannot_compile_is_refused_before_any_token(constraint: str, says: str) -> None:

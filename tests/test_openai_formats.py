@@ -236,3 +236,16 @@ async def test_every_output_item_goes_back_as_input(oa: AsyncOpenAI) -> None:
         {"role": "user", "content": "Where is the house?"}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "Who lives there?"}])  # fmt: skip
     assert second.output_text == twin.choices[0].message.content
+
+
+async def test_a_body_nested_past_what_json_reads_is_a_400(gateway: OpenAIGateway, oa: AsyncOpenAI) -> None:
+    """A hostile body nested 100,000 deep (well under the body cap) is not JSON here: a 400, and the gateway goes on."""
+    body = b'{"model": "chat", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{gateway.base_url}/chat/completions", content=body,
+                            headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json"
+    ok = await oa.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert ok.usage is not None
+    assert ok.usage.completion_tokens > 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -120,21 +119,6 @@ def _chat_data(path: Path) -> Path:
         streams.append(steps)
     path.write_text(json.dumps({"data": streams}))
     return path
-
-
-@pytest.fixture(scope="module")
-def chat_only_server() -> Iterator[LocalTriton]:
-    """A server of this file's own with only the chat model, for perf_analyzer's chat runs.
-
-    perf_analyzer 2.38 hung at concurrency 4 on the session server's ``chat`` in two fresh-clone suite runs (its
-    worker waiting in WaitForOngoingRequests, the server reporting every request answered and none pending), after
-    the rest of that worker's files had used the server; alone it never did. The cause is not found; a server that
-    nothing else has used keeps perf_analyzer's run from whatever state the others leave.
-    """
-    server = LocalTriton(model_control_mode="explicit", load_models=["chat"], stop_grace_s=0)
-    with server:
-        yield server
-    assert server.processes() == []
 
 
 async def _live_conversations(server: LocalTriton) -> int:

@@ -401,7 +401,7 @@ class Gateway:
             chunks.append(chunk)
         try:
             return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # nested past what the reader goes: not JSON here
             raise APIError(
                 400,
                 "We could not parse the JSON body of your request: it must be a JSON object "

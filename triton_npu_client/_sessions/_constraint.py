@@ -54,7 +54,7 @@ class ResponseFormat:
             raise ChatOptionError("response_format", "a JSON schema (a mapping)", schema)
         try:
             plain = json.loads(json.dumps(schema))  # a JSON-able copy: the value stays frozen in spirit
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, RecursionError) as err:
             kind = type(schema).__name__
             raise ChatOptionError("response_format", f"a JSON-serialisable schema ({err})", kind) from None
         return cls(kind="json_schema", schema=plain, strict=bool(strict), name=name)

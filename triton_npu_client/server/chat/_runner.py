@@ -343,7 +343,7 @@ class ModelRunner:
         else:
             host = self._split(out[:n])
             live = out[:n, 0].to(self.tokens.dtype)
-        self._advance(rows[:n], live)
+        self._advance(rows[:n], live, counted=batch.flags.penalized)
         self.decode_passes += 1
         return host
 
@@ -448,11 +448,12 @@ class ModelRunner:
         logits = forward(self.model, self.blocks.keys, self.blocks.values, self.tokens[rows][:, None], meta)
         return logits[:, : self.vocab]
 
-    def _advance(self, live: torch.Tensor, ids: torch.Tensor) -> None:
-        if self._counts is not None:
+    def _advance(self, live: torch.Tensor, ids: torch.Tensor, *, counted: bool = False) -> None:
+        if counted and self._counts is not None:
             import torch
 
-            # Every live row counts its new token (a row's counts are reset whenever a turn joins it).
+            # A batch with a penalised row counts every row's new token; one without reads no counts, and a row's
+            # counts are reset whenever a turn joins it, so only penalised turns ever read what was counted.
             self._counts.index_put_((live, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         self.tokens.index_copy_(0, live, ids)
         self.positions.index_add_(0, live, self._ones(live))
