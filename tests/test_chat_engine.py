@@ -668,9 +668,9 @@ def test_parse_renders_the_prompt_so_admit_does_not(checkpoint: Path, monkeypatc
     calls: list[object] = []
     render = rig.tokenizer.render
 
-    def counting(messages: Any, *, add_generation_prompt: bool) -> list[int]:
+    def counting(messages: Any, *, add_generation_prompt: bool, tools: Any = None) -> list[int]:
         calls.append(messages)
-        return render(messages, add_generation_prompt=add_generation_prompt)
+        return render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     monkeypatch.setattr(rig.tokenizer, "render", counting)
     sender = Sender()

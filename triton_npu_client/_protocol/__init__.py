@@ -12,7 +12,7 @@ read by each side from the model's config.
 """
 
 from . import chat
-from ._digest import EMPTY, history_digest
+from ._digest import EMPTY, digest_role, history_digest
 from ._markers import INVALID_INPUT, MARKERS, SEQUENCE_BUSY, SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN, marker_in
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "SEQUENCE_CAPACITY",
     "SEQUENCE_UNKNOWN",
     "chat",
+    "digest_role",
     "history_digest",
     "marker_in",
 ]

@@ -7,7 +7,7 @@ proto``, then ``proto.DIGEST``.
 """
 
 # -- inputs: a turn's messages, its options, the client's digest ----------------------------------------------------
-ROLE = "ROLE"  # one role per message of the turn (BYTES)
+ROLE = "ROLE"  # one role per message of the turn (BYTES): system, user, assistant or tool
 TEXT = "TEXT"  # one text per message, UTF-8 (BYTES)
 MAX_TOKENS = "MAX_TOKENS"  # 0: no cap (the reply may run to the end of the context)
 MIN_TOKENS = "MIN_TOKENS"
@@ -34,6 +34,24 @@ REPETITION_PENALTY = "REPETITION_PENALTY"
 #: "lp", "top": [[id, bytes hex, lp], ...]}]``, from the model's own distribution (before temperature, penalties and
 #: constraints); the last response carries the rest.
 LOGPROBS = "LOGPROBS"
+#: Tools the model may call this turn (BYTES, one JSON array of OpenAI tool definitions: ``{"type": "function",
+#: "function": {"name", "description", "parameters"}}``). The chat template renders them (the whole conversation is
+#: rendered with the turn's tools: send the same ones every turn and the cache keeps its prefix) and the reply is
+#: read for calls in the checkpoint's own format. A checkpoint whose template takes no tools refuses them.
+TOOLS = "TOOLS"
+#: With TOOLS (BYTES, one entry): ``auto`` (the default: the model may call tools), ``none`` (tools shown, the
+#: reply is text), ``required`` (the reply is one or more calls) or ``{"type": "function", "function": {"name":
+#: N}}`` (a call of N). ``required`` and a named function constrain the reply to a call whose arguments are valid
+#: for the function's ``parameters`` schema.
+TOOL_CHOICE = "TOOL_CHOICE"
+#: Each message's tool-use fields (BYTES, one entry per ROLE entry, ``""`` for a message that has none): a JSON
+#: object with any of ``tool_calls`` (an assistant's calls: ``[{"id", "name", "arguments"}]``, arguments JSON text
+#: of an object), ``tool_call_id`` and ``name`` (a ``tool`` message's: the call it answers and the function's name).
+TOOL_META = "TOOL_META"
+#: Out (BYTES, JSON): on a turn's last response, the calls its reply made, ``[{"id", "name", "arguments"}]``
+#: (``""`` when none); PIECE then carried only the reply's content (the text before the calls: never a call's
+#: markup). The history keeps the reply as an assistant message with that content and these calls.
+TOOL_CALLS = "TOOL_CALLS"
 #: The history digest (``_digest``): an input with every turn but a START, and an output of a turn's last response.
 DIGEST = "DIGEST"
 #: A request of its own (BOOL true, no messages, neither START nor END) that stops the conversation's turn in flight:
@@ -59,12 +77,13 @@ REQUIRED_OUTPUTS = (PIECE, FINISH)
 #: The generation options' inputs, each optional: sent only when the option is set.
 OPTION_INPUTS = (
     MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STREAM_INTERVAL_MS, CONSTRAINT, PRESENCE_PENALTY,
-    FREQUENCY_PENALTY, REPETITION_PENALTY, LOGPROBS,
+    FREQUENCY_PENALTY, REPETITION_PENALTY, LOGPROBS, TOOLS, TOOL_CHOICE,
 )  # fmt: skip
 #: Every input and output the packaged chat model declares.
-INPUTS = (*REQUIRED_INPUTS, *OPTION_INPUTS, STOP, DIGEST, CANCEL)
+INPUTS = (*REQUIRED_INPUTS, *OPTION_INPUTS, STOP, DIGEST, CANCEL, TOOL_META)
 OUTPUTS = (
     *REQUIRED_OUTPUTS, TOKENS, PROMPT_TOKENS, CONTEXT_TOKENS, DROPPED, LIVE, KV_BYTES, DIGEST, INPUT_TOKENS, LOGPROBS,
+    TOOL_CALLS,
 )  # fmt: skip
 
 #: The longest stream interval the server takes: the client refuses a longer one before sending.

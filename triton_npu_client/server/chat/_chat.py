@@ -61,6 +61,8 @@ The engine knows nothing of Triton: responses and refusals are built by callback
 from __future__ import annotations
 
 import bisect
+import codecs
+import hashlib
 import itertools
 import json
 import math
@@ -71,7 +73,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from ..._protocol import EMPTY, SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN, history_digest
+from ..._protocol import EMPTY, SEQUENCE_CAPACITY, SEQUENCE_UNKNOWN, digest_role, history_digest
 from ..._protocol import chat as proto
 from .._controls import CorrelationId, SequenceControls
 from .._generate import ExitReason, StepOutput, Stream
@@ -80,6 +82,19 @@ from ._blocks import BlockManager, BlockTable, CacheFull
 from ._constraints import Constraints, ConstraintSpec, TurnMatcher, fill_masks, parse_constraint
 from ._runner import Compile, DecodeBatch, ModelRunner, PrefillRow, RowSampling
 from ._sampling import GREEDY_BELOW, SamplingFlags
+from ._template import ChatMessage as TemplateMessage
+from ._tools import (
+    NO_TOOLS,
+    MessageTools,
+    ToolCall,
+    ToolCallStream,
+    ToolChoice,
+    forced_grammar,
+    forced_tool_call,
+    parse_tool_choice,
+    parse_tool_meta,
+    parse_tools_input,
+)
 
 if TYPE_CHECKING:
     from ._decoders import Decoder
@@ -100,7 +115,7 @@ __all__ = [
     "TurnStatus",
 ]
 
-ROLES: Final = ("system", "user", "assistant")
+ROLES: Final = ("system", "user", "assistant", "tool")
 Finish = Literal["", "stop", "stop_string", "length", "context", "closed"]
 #: A turn's one status: waiting (parsed, not admitted), running (admitted), then exactly one way it ended. The first
 #: four ends keep the turn in the history (the reply as the client received it); every other end rolls it back.
@@ -134,11 +149,12 @@ class InputLimits:
     max_stops: int = 16  # STOP entries
     max_stop_bytes: int = 256  # bytes of one STOP entry
     max_constraint_bytes: int = 65536  # bytes of the CONSTRAINT input (a JSON schema, a regex, a grammar)
+    max_tools_bytes: int = 65536  # bytes of the TOOLS input (the tools' definitions and schemas)
 
     def __post_init__(self) -> None:
         names = (
             "max_messages", "max_message_bytes", "max_request_bytes", "max_stops", "max_stop_bytes",
-            "max_constraint_bytes",
+            "max_constraint_bytes", "max_tools_bytes",
         )  # fmt: skip
         for name in names:
             if getattr(self, name) < 1:
@@ -147,8 +163,26 @@ class InputLimits:
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
+    """One message of a turn: its role, its text and its tool-use fields (TOOL_META)."""
+
     role: str
     text: str
+    tools: MessageTools = NO_TOOLS
+
+    def entry(self) -> Message:
+        """The message as the history keeps it and the template renders it: a (role, text) pair when it has no tool
+        fields; else a template message (an assistant's calls with empty text have no content, as OpenAI's null)."""
+        t = self.tools
+        if t.empty:
+            return (self.role, self.text)
+        content = None if t.tool_calls and not self.text else self.text
+        return TemplateMessage(self.role, content, t.tool_calls, t.tool_call_id, t.name)
+
+    @property
+    def digest_key(self) -> tuple[str, str]:
+        t = self.tools
+        calls = tuple((c.id or "", c.name, c.arguments) for c in t.tool_calls)
+        return (digest_role(self.role, tool_calls=calls, tool_call_id=t.tool_call_id, name=t.name), self.text)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,6 +205,11 @@ class TurnOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: off)
+    #: The tools the template renders (None: none), and whether the reply is read for calls (tools given and
+    #: tool_choice not "none"). A forced call (tool_choice required or named) is in ``constraint``.
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: ToolChoice = "auto"
+    reads_calls: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -227,9 +266,17 @@ class ChatResponse:
     input_tokens: int = 0
     #: With LOGPROBS: the log-probabilities of the tokens this response completes, as JSON (``ChatEngine``).
     logprobs: str = ""
+    #: On the last response of a turn whose reply made tool calls: ``[{"id", "name", "arguments"}]`` as JSON.
+    tool_calls: str = ""
 
 
-Messages = tuple[tuple[str, str], ...]  # (role, text), oldest first
+#: A message as the history keeps it: (role, text), or a template message with tool-use fields.
+Message = tuple[str, str] | TemplateMessage
+Messages = tuple[Message, ...]  # oldest first
+
+
+def _role(message: Message) -> str:
+    return message.role if isinstance(message, TemplateMessage) else message[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +353,13 @@ class ChatTurn:
     token_ends: list[int] = field(default_factory=list)
     logprobs_sent: int = 0
     reply: bytearray = field(default_factory=bytearray)
-    sent: int = 0  # bytes of `reply` already streamed
+    sent: int = 0  # bytes of `reply` already streamed (with tools: fed to `calls`, which says what is shown)
+    # A turn whose reply is read for tool calls: the reader, fed the reply's text (decoded as it comes), and what it
+    # found once the reply ended (the content the client got, the calls).
+    calls: ToolCallStream | None = None
+    text_decoder: Any = None
+    content: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
     sent_at: float | None = None  # when the last piece went out (None: none yet)
     status: TurnStatus = "waiting"
     ending: TurnStatus | None = None  # the end a step decided, until the step's outputs are emitted
@@ -386,6 +439,7 @@ class ChatEngine:
         )  # fmt: skip
         # Each distinct constraint compiled once (an LRU); turns take copies of the compiled matchers.
         self.constraints = Constraints(tokenizer, capacity=constraint_cache)
+        self._markers = tokenizer.tool_marker_ids
         # Counters, for tests and logs.
         self.prefilled_tokens = 0
         self.prefill_forwards = 0
@@ -430,6 +484,9 @@ class ChatEngine:
         frequency_penalty: float | None = None,
         repetition_penalty: float | None = None,
         logprobs: int | None = None,
+        tools: bytes | str | None = None,
+        tool_choice: bytes | str | None = None,
+        tool_meta: Sequence[bytes | str] | None = None,
         key: CorrelationId | None = None,
     ) -> ChatTurn:
         """Build one request's job from its inputs, its prompt rendered; ``ValueError`` naming the input.
@@ -441,6 +498,8 @@ class ChatEngine:
         ``stream_interval_ms`` (STREAM_INTERVAL_MS) overrides the engine's stream interval for this turn.
         ``constraint`` (CONSTRAINT): what the reply must be (``_constraints``); compiled here, so a constraint that
         does not compile is this request's invalid input, before any token.
+        ``tools`` (TOOLS), ``tool_choice`` (TOOL_CHOICE), ``tool_meta`` (TOOL_META, one entry per message): tool
+        calling (``_tools``); a forced call (``required`` or a named function) becomes the turn's constraint.
         """
         if stream_interval_ms is not None and not 0 <= int(stream_interval_ms) <= proto.STREAM_INTERVAL_MAX_MS:
             longest = proto.STREAM_INTERVAL_MAX_MS
@@ -453,6 +512,9 @@ class ChatEngine:
             raise ValueError(f"TEXT has {len(texts)} messages; at most {limits.max_messages} (parameter max_messages)")
         if len(roles) != len(texts):
             raise ValueError(f"ROLE has {len(roles)} entries but TEXT has {len(texts)}: one role per message")
+        metas = list(tool_meta or ())
+        if tool_meta is not None and len(metas) != len(roles):
+            raise ValueError(f"TOOL_META has {len(metas)} entries but ROLE has {len(roles)}: one per message")
         if len(stop) > limits.max_stops:
             raise ValueError(f"STOP has {len(stop)} strings; at most {limits.max_stops} (parameter max_stops)")
         total = 0
@@ -463,6 +525,7 @@ class ChatEngine:
                     f"TEXT[{i}] has {size} bytes; at most {limits.max_message_bytes} (parameter max_message_bytes)"
                 )
             total += size
+        total += sum(_size(m) for m in metas)  # a message's tool fields are part of what the request carries
         if total > limits.max_request_bytes:
             raise ValueError(
                 f"TEXT has {total} bytes in all; at most {limits.max_request_bytes} (parameter max_request_bytes)"
@@ -479,6 +542,10 @@ class ChatEngine:
             raise ValueError(
                 f"CONSTRAINT has {size} bytes; at most {limits.max_constraint_bytes} (parameter max_constraint_bytes)"
             )
+        if tools is not None and (size := _size(tools)) > limits.max_tools_bytes:
+            raise ValueError(f"TOOLS has {size} bytes; at most {limits.max_tools_bytes} (parameter max_tools_bytes)")
+        if tool_choice is not None and (size := _size(tool_choice)) > 1024:
+            raise ValueError(f"TOOL_CHOICE has {size} bytes; at most 1024 (a choice names one function)")
         client_digest = None
         if digest is not None:
             if _size(digest) > 64:
@@ -493,9 +560,18 @@ class ChatEngine:
             role_s = _text(role, f"ROLE[{i}]")
             if role_s not in ROLES:
                 raise ValueError(f"ROLE[{i}] must be one of {', '.join(ROLES)}, got {role_s!r}")
-            messages.append(ChatMessage(role_s, _text(text, f"TEXT[{i}]")))
-        if messages[-1].role != "user":
-            raise ValueError(f"the last message of a turn must have ROLE user, got {messages[-1].role!r}")
+            meta = parse_tool_meta(metas[i], role_s, f"TOOL_META[{i}]") if metas else NO_TOOLS
+            messages.append(ChatMessage(role_s, _text(text, f"TEXT[{i}]"), meta))
+        if messages[-1].role not in ("user", "tool"):
+            raise ValueError(f"the last message of a turn must have ROLE user or tool, got {messages[-1].role!r}")
+        tool_list = None if tools is None else parse_tools_input(tools)
+        choice = "auto" if tool_choice is None else parse_tool_choice(tool_choice, tool_list)
+        if tool_list is not None and (refusal := self.tokenizer.tools_refusal) is not None:
+            raise ValueError(f"TOOLS: {refusal}")
+        if tool_list is None and choice not in ("auto", "none"):
+            raise ValueError("TOOL_CHOICE: a choice that forces a call needs TOOLS, and none were given")
+        given = None if constraint is None else parse_constraint(constraint)
+        spec = self._tool_constraint(tool_list, choice, given)
         options = TurnOptions(
             max_tokens=self.default_max_tokens if max_tokens is None else int(max_tokens),
             min_tokens=0 if min_tokens is None else int(min_tokens),
@@ -505,14 +581,23 @@ class ChatEngine:
             seed=None if seed is None else int(seed),
             stop=tuple(s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in stop),
             stream_interval_s=None if stream_interval_ms is None else int(stream_interval_ms) / 1000,
-            constraint=None if constraint is None else parse_constraint(constraint),
+            constraint=spec,
             presence_penalty=0.0 if presence_penalty is None else float(presence_penalty),
             frequency_penalty=0.0 if frequency_penalty is None else float(frequency_penalty),
             repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
             logprobs=None if logprobs is None else int(logprobs),
+            tools=tool_list,
+            tool_choice=choice,
+            reads_calls=tool_list is not None and choice != "none",
         )
         # Compiled here too (once per distinct constraint): the loop's thread only fills masks.
-        matcher = None if options.constraint is None else self.constraints.matcher(options.constraint)
+        try:
+            matcher = None if options.constraint is None else self.constraints.matcher(options.constraint)
+        except ValueError as err:
+            if spec is given:
+                raise
+            # The grammar is the server's own; what can fail in it is a function's parameters schema.
+            raise ValueError(f"TOOLS: a function's parameters (a JSON schema) do not compile: {err}") from None
         # Rendered here, on an execute thread: the loop's thread, which decodes for every conversation, does not
         # spend time on one request's text (unless the history changes before admission: then admit renders).
         history = None if start or key is None else self._histories.get(key)
@@ -527,6 +612,28 @@ class ChatEngine:
             start=start, end=end, messages=tuple(messages), options=options, rendered=rendered, digest=client_digest,
             matcher=matcher,
         )  # fmt: skip
+
+    def _tool_constraint(
+        self, tools: tuple[dict[str, Any], ...] | None, choice: ToolChoice, spec: ConstraintSpec | None
+    ) -> ConstraintSpec | None:
+        """The turn's constraint once tools are counted: a forced call (``required``, a named function) is a grammar
+        of the checkpoint's call markup around JSON valid for the functions' parameters, and replaces a
+        ``response_format`` (the reply is the call); with ``auto`` and a JSON ``response_format`` the reply may be
+        either that JSON or a call. Otherwise the constraint as given (a regex or grammar leaves no room for calls)."""
+        fmt = self.tokenizer.tool_format
+        if tools is None or fmt is None or choice == "none":
+            return spec
+        if choice == "auto":
+            if spec is None or spec.kind not in ("json_schema", "json_object"):
+                return spec
+            forced = forced_tool_call(tools, "required", fmt)
+            alternative = json.loads(spec.source)
+        else:
+            forced = forced_tool_call(tools, choice, fmt)
+            alternative = None
+        assert forced is not None
+        grammar = forced_grammar(forced, self.tokenizer.split_controls, alternative=alternative)
+        return ConstraintSpec("grammar", grammar, syntax="lark")
 
     # -- StepLoop callbacks (loop thread) -----------------------------------------------------------------
 
@@ -663,7 +770,7 @@ class ChatEngine:
                     # loop runs the step again without it, and this step's other turns are put back first).
                     raise ValueError(f"the constraint refused token {token} that its mask allowed: {matcher.error}")
                 turn.reply_ids.append(token)
-                turn.reply += self._piece(token, first=len(turn.reply_ids) == 1)
+                turn.reply += self._piece(token, first=len(turn.reply_ids) == 1, turn=turn)
                 if turn.next_logprob is not None:
                     chosen, top = turn.next_logprob
                     turn.logprobs.append((token, chosen, top))
@@ -682,7 +789,12 @@ class ChatEngine:
             if turn.ending is None:
                 turn.needs_pass = True  # the next pass feeds it its token
 
-    def _piece(self, token: int, *, first: bool) -> bytes:
+    def _piece(self, token: int, *, first: bool, turn: ChatTurn) -> bytes:
+        options = turn.options
+        if options is not None and options.reads_calls and (marker := self._markers.get(token)) is not None:
+            # A special token of the call markup ([TOOL_CALLS], <|python_tag|>) has no bytes, but the call reader
+            # must see it; it never reaches the client as text (the reader holds everything from a marker on).
+            return marker.encode()
         # A reply's first token may carry the SentencePiece space its decoder drops at the start of a text.
         return self.tokenizer.decode([token]) if first else self.tokenizer.token_bytes[token]
 
@@ -692,8 +804,7 @@ class ChatEngine:
             options = turn.options
             assert options is not None
             if turn.ending is not None:
-                piece = bytes(turn.reply[turn.sent :])
-                turn.sent = len(turn.reply)
+                piece = self._shown(turn, len(turn.reply), final=turn.ending in KEPT)
                 self.finish(turn, turn.ending)
                 outputs.append(StepOutput(response=self._turn_response(turn, piece), done=True))
                 continue
@@ -701,10 +812,32 @@ class ChatEngine:
             safe = len(turn.reply) - _held_back(turn.reply, options.stop)
             piece = b""
             if safe > turn.sent and self._may_send(turn):
-                piece = bytes(turn.reply[turn.sent : safe])
-                turn.sent = safe
+                piece = self._shown(turn, safe, final=False)
             outputs.append(StepOutput(response=self._turn_response(turn, piece) if piece else None))
         return outputs
+
+    def _shown(self, turn: ChatTurn, upto: int, *, final: bool) -> bytes:
+        """What the client is shown of ``reply[sent:upto]`` (``sent`` moves to ``upto``): those bytes, or for a turn
+        read for tool calls the content its reader lets go (never a call's markup). ``final``: the reply is whole
+        (a kept end): the reader says what the reply was (``content``, ``tool_calls``), which the commit keeps."""
+        new = bytes(turn.reply[turn.sent : upto])
+        turn.sent = upto
+        options = turn.options
+        if options is None or not options.reads_calls or self.tokenizer.tool_format is None:
+            return new
+        if turn.calls is None:
+            # Ids are salted with the prompt: unique per turn of a conversation, and the same for the same prompt
+            # (a stateless replay of the history gets the very calls the conversation got).
+            ids = b"" if turn.prompt is None else b",".join(str(i).encode() for i in turn.prompt.ids)
+            turn.calls = ToolCallStream(self.tokenizer.tool_format, salt=hashlib.sha256(ids).hexdigest())
+            turn.text_decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = turn.calls.feed(turn.text_decoder.decode(new, final=final))
+        if not final:
+            return text.encode()
+        end = turn.calls.finish()
+        turn.content = end.reply.content
+        turn.tool_calls = end.reply.tool_calls
+        return (text + end.rest).encode()
 
     def _may_send(self, turn: ChatTurn) -> bool:
         """Whether a turn's new bytes go out this pass: always the first piece; then no sooner than the interval.
@@ -787,11 +920,11 @@ class ChatEngine:
         after the system ones), then the turn's last message. Room is left for ``max_tokens`` of reply, or for
         what the context has left once the kept part is in. :class:`_TurnRefused` when even that does not fit.
         """
-        added = tuple((m.role, m.text) for m in new)
+        added = tuple(m.entry() for m in new)
         extra = 0
         if not past:
             # A conversation's leading system messages stay whatever else is dropped.
-            while extra < len(added) - 1 and added[extra][0] == "system":
+            while extra < len(added) - 1 and _role(added[extra]) == "system":
                 extra += 1
         kept = past[:pinned] + added[:extra]
         droppable = past[pinned:] + added[extra:-1]
@@ -799,7 +932,7 @@ class ChatEngine:
 
         def render(messages: Messages) -> list[int]:
             try:
-                return self.tokenizer.render(messages, add_generation_prompt=True)
+                return self.tokenizer.render(messages, add_generation_prompt=True, tools=options.tools)
             except ValueError as err:
                 raise _TurnRefused("invalid", str(err)) from None
 
@@ -817,7 +950,7 @@ class ChatEngine:
             )
         limit = self.max_ctx - min(room, self.max_ctx - fixed)
         # Where the kept part may begin: at a user message, or after every droppable one.
-        cuts = [k for k, (role, _) in enumerate(droppable) if role == "user" and k > 0] + [len(droppable)]
+        cuts = [k for k, m in enumerate(droppable) if _role(m) == "user" and k > 0] + [len(droppable)]
         if len(ids) <= limit:
             cuts = [0]
         # The fewest messages dropped that fit; lengths shrink as more is dropped, so a binary search finds it.
@@ -1003,11 +1136,13 @@ class ChatEngine:
         conv = self._conversations.get(turn.slot)
         if conv is None or turn.prompt is None:
             return
-        text = bytes(turn.reply).decode("utf-8", errors="replace")
+        text = bytes(turn.reply).decode("utf-8", errors="replace") if turn.content is None else turn.content
         conv.undo = _Committed(messages=conv.messages, pinned=conv.pinned, digest=conv.digest)
         # The messages as received and the reply as the client reads it: the strings the client's chain uses.
-        conv.digest = history_digest(conv.digest, [(m.role, m.text) for m in turn.messages], text)
-        conv.messages = (*turn.prompt.messages, ("assistant", text))
+        calls = tuple((c.id or "", c.name, c.arguments) for c in turn.tool_calls)
+        conv.digest = history_digest(conv.digest, [m.digest_key for m in turn.messages], text, calls)
+        reply = ChatMessage("assistant", text, MessageTools(tool_calls=turn.tool_calls)).entry()
+        conv.messages = (*turn.prompt.messages, reply)
         conv.pinned = turn.prompt.pinned
         conv.version = next(self._versions)
         if turn.key is not None:
@@ -1027,6 +1162,7 @@ class ChatEngine:
                 digest=EMPTY if conv is None or not turn.finish else conv.digest,
                 input_tokens=0 if turn.prompt is None else len(turn.prompt.ids),
                 logprobs=self._logprobs_out(turn),
+                tool_calls=_calls_json(turn.tool_calls) if turn.finish else "",
             )
         )
 
@@ -1061,6 +1197,7 @@ class ChatEngine:
         digest: str = EMPTY,
         input_tokens: int = 0,
         logprobs: str = "",
+        tool_calls: str = "",
     ) -> ChatResponse:
         return ChatResponse(
             piece=piece,
@@ -1075,7 +1212,15 @@ class ChatEngine:
             digest=digest,
             input_tokens=input_tokens if finish else 0,
             logprobs=logprobs,
+            tool_calls=tool_calls,
         )
+
+
+def _calls_json(calls: Sequence[ToolCall]) -> str:
+    """A reply's calls as the TOOL_CALLS output: ``[{"id", "name", "arguments"}]`` ("" for none)."""
+    if not calls:
+        return ""
+    return json.dumps([{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls], ensure_ascii=False)
 
 
 def _keep_logprobs(turns: Sequence[ChatTurn], rows: list[tuple[float, list[tuple[int, float]]]] | None) -> None:

@@ -22,7 +22,8 @@ response per interval), ``evict_min_idle_ms`` (at the cap of conversations, or
 when the KV cache has no free block, the conversation idle longest gives way if it has idled at least this long;
 default 60000; negative: never evict), and the input caps of :class:`~._chat.InputLimits`:
 ``max_messages`` (512), ``max_message_bytes`` (65536), ``max_request_bytes`` (262144), ``max_stops`` (16),
-``max_stop_bytes`` (256), ``max_constraint_bytes`` (65536: the CONSTRAINT input), ``constraint_cache`` (64:
+``max_stop_bytes`` (256), ``max_constraint_bytes`` (65536: the CONSTRAINT input), ``max_tools_bytes`` (65536: the
+TOOLS input), ``constraint_cache`` (64:
 distinct constraints kept compiled, least recently used dropped first), ``compile_decode`` (``off``, ``cpu`` or
 ``cuda-graphs``: the decode pass compiled as one
 graph per batch bucket, see docs/chat.md).
@@ -85,6 +86,7 @@ class ChatModel:
         # response may carry only the outputs its config declares.
         self._input_tokens = any(o.get("name") == "INPUT_TOKENS" for o in config.get("output") or [])
         self._logprobs = any(o.get("name") == proto.LOGPROBS for o in config.get("output") or [])
+        self._tool_calls = any(o.get("name") == proto.TOOL_CALLS for o in config.get("output") or [])
 
         def param(key: str, default: str) -> str:
             return model_parameter(config, key) or default
@@ -142,6 +144,7 @@ class ChatModel:
             max_stops=int(param("max_stops", str(default.max_stops))),
             max_stop_bytes=int(param("max_stop_bytes", str(default.max_stop_bytes))),
             max_constraint_bytes=int(param("max_constraint_bytes", str(default.max_constraint_bytes))),
+            max_tools_bytes=int(param("max_tools_bytes", str(default.max_tools_bytes))),
         )
         # Only a model keeping conversations shares prefixes by default: the stateless twin is the baseline of
         # a server that keeps nothing between requests.
@@ -231,6 +234,7 @@ class ChatModel:
                     roles=self._strings(request, "ROLE"),
                     texts=self._strings(request, "TEXT"),
                     stop=self._strings(request, "STOP") or (),
+                    tool_meta=self._strings(request, proto.TOOL_META),
                     digest=self._scalar(request, "DIGEST"),
                     **options,
                 )
@@ -287,6 +291,7 @@ class ChatModel:
                 one("DIGEST", r.digest.encode(), np.object_),
                 *([one("INPUT_TOKENS", r.input_tokens, np.int32)] if self._input_tokens else []),
                 *extra,
+                *([one(proto.TOOL_CALLS, r.tool_calls.encode(), np.object_)] if self._tool_calls else []),
             ]
         )
 

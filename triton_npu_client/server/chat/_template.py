@@ -555,6 +555,20 @@ class CheckpointTokenizer:
         as ids inside a conversation: its control-token strings become the tokens, the rest is text."""
         return self._tokenize(text, at_start=False)
 
+    def split_controls(self, text: str) -> list[str | int]:
+        """Text written by the server itself cut at its control-token strings: the text between them, and each
+        control token's id (what a grammar must write as that one token: ``_tools.forced_grammar``)."""
+        out: list[str | int] = []
+        at = 0
+        for m in self._control_re.finditer(text):
+            if m.start() > at:
+                out.append(text[at : m.start()])
+            out.append(self._controls[m.group(0)].id)
+            at = m.end()
+        if at < len(text):
+            out.append(text[at:])
+        return out
+
     @property
     def takes_tools(self) -> bool:
         """Whether the template used with tools reads the ``tools`` variable at all; a template that does not would

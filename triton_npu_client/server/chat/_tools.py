@@ -52,7 +52,9 @@ from typing import Any, Final, Literal, NamedTuple
 
 __all__ = [
     "TOOL_FORMATS",
+    "NO_TOOLS",
     "ForcedToolCall",
+    "MessageTools",
     "ParsedReply",
     "StreamEnd",
     "ToolCall",
@@ -60,8 +62,12 @@ __all__ = [
     "ToolFormat",
     "check_tools",
     "detect_tool_format",
+    "forced_grammar",
     "forced_tool_call",
     "parse_tool_calls",
+    "parse_tool_choice",
+    "parse_tool_meta",
+    "parse_tools_input",
 ]
 
 FormatName = Literal["llama3_json", "hermes", "mistral"]
@@ -574,7 +580,8 @@ def forced_tool_call(tools: Sequence[Mapping[str, Any]], tool_choice: object, fm
     variants = []
     for tool in chosen:
         function = tool["function"]
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        # No parameters: the arguments are {} (OpenAI's reading), not any object a model might pad forever.
+        parameters = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
         properties: dict[str, Any] = {"name": {"const": function["name"]}, fmt.arguments_key: parameters}
         if fmt.many and fmt.id_length:
             properties["id"] = {"type": "string", "pattern": f"^[A-Za-z0-9]{{{fmt.id_length}}}$"}
@@ -589,3 +596,137 @@ def forced_tool_call(tools: Sequence[Mapping[str, Any]], tool_choice: object, fm
     call: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     schema = {"type": "array", "items": call, "minItems": 1} if fmt.many else call
     return ForcedToolCall(prefix=fmt.prefix, schema=schema, suffix=fmt.suffix)
+
+
+# -- the chat model's tool inputs (TOOLS, TOOL_CHOICE, TOOL_META) -----------------------------------------------------
+
+ToolChoice = Literal["auto", "none", "required"] | dict[str, Any]
+_CHOICES: Final = ("auto", "none", "required")
+
+
+def _json_input(raw: bytes | str, name: str, what: str) -> Any:
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else str(raw)
+        return json.loads(text)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{name}: expected {what}, given text that is not JSON ({err})") from None
+    except RecursionError:
+        raise ValueError(f"{name}: expected {what}, given JSON nested too deeply to read") from None
+
+
+def parse_tools_input(raw: bytes | str) -> tuple[dict[str, Any], ...]:
+    """The ``TOOLS`` input: a JSON array of OpenAI tool definitions, checked (:func:`check_tools`); ``ValueError``
+    naming the input."""
+    value = _json_input(raw, "TOOLS", "a JSON array of tools")
+    if not isinstance(value, list):
+        raise ValueError(f"TOOLS: expected a JSON array of tools, given a JSON {type(value).__name__}")
+    try:
+        return tuple(check_tools(value))
+    except ValueError as err:
+        raise ValueError(f"TOOLS: {err}") from None
+
+
+def parse_tool_choice(raw: bytes | str, tools: Sequence[Mapping[str, Any]] | None) -> ToolChoice:
+    """The ``TOOL_CHOICE`` input: ``auto``, ``none``, ``required`` or ``{"type": "function", "function": {"name"}}``
+    (JSON text), checked against ``tools`` (a choice that forces a call needs them, and a named one among them)."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes | bytearray) else str(raw)
+    choice: ToolChoice
+    if text.strip() in _CHOICES:
+        choice = text.strip()  # type: ignore[assignment]
+    else:
+        value = _json_input(raw, "TOOL_CHOICE", 'auto, none, required or {"type": "function", ...}')
+        if value in _CHOICES or isinstance(value, dict):
+            choice = value
+        else:
+            raise ValueError(
+                f'TOOL_CHOICE: expected auto, none, required or {{"type": "function", "function": {{"name": ...}}}}, '
+                f"given {text!r:.120}"
+            )
+    if choice in ("auto", "none"):
+        return choice
+    try:
+        _chosen([dict(t) for t in tools or ()], choice)
+    except ValueError as err:
+        raise ValueError(f"TOOL_CHOICE: {err}") from None
+    return choice
+
+
+@dataclass(frozen=True, slots=True)
+class MessageTools:
+    """One message's tool-use fields (a ``TOOL_META`` entry)."""
+
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.tool_calls and self.tool_call_id is None and self.name is None
+
+
+NO_TOOLS: Final = MessageTools()
+_META_KEYS: Final = frozenset({"tool_calls", "tool_call_id", "name"})
+
+
+def parse_tool_meta(raw: bytes | str, role: str, where: str) -> MessageTools:
+    """A ``TOOL_META`` entry for a message of ``role`` (``where``: ``TOOL_META[i]``): ``""`` or a JSON object with
+    ``tool_calls`` (an assistant's, ``[{"id", "name", "arguments"}]``), ``tool_call_id`` and ``name`` (a tool
+    result's); ``ValueError`` naming the entry."""
+    if not raw:
+        return NO_TOOLS
+    value = _json_input(raw, where, "a JSON object of tool fields")
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object of tool fields, given a JSON {type(value).__name__}")
+    unknown = sorted(set(value) - _META_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r:.40} (known: name, tool_call_id, tool_calls)")
+    calls_raw = value.get("tool_calls") or []
+    if calls_raw and role != "assistant":
+        raise ValueError(f"{where}: tool_calls belong to an assistant message, given on a {role} message")
+    if not isinstance(calls_raw, list):
+        raise ValueError(f"{where}: tool_calls must be a list, given {type(calls_raw).__name__}")
+    calls = []
+    for k, c in enumerate(calls_raw):
+        if not isinstance(c, dict):
+            raise ValueError(f"{where}.tool_calls[{k}]: expected an object with id, name and arguments")
+        try:
+            calls.append(ToolCall(name=c.get("name"), arguments=c.get("arguments"), id=c.get("id")))  # type: ignore[arg-type]
+        except ValueError as err:
+            raise ValueError(f"{where}.tool_calls[{k}]: {err}") from None
+    for key in ("tool_call_id", "name"):
+        if value.get(key) is not None and not isinstance(value[key], str):
+            raise ValueError(f"{where}: {key} must be a string, given {type(value[key]).__name__}")
+    if value.get("tool_call_id") is not None and role != "tool":
+        raise ValueError(f"{where}: tool_call_id belongs to a tool message, given on a {role} message")
+    return MessageTools(tuple(calls), value.get("tool_call_id"), value.get("name"))
+
+
+#: How a forced call's JSON is spaced (as ``json.dumps`` writes it: what models saw), in llguidance's schema option.
+_CALL_LAYOUT: Final[dict[str, Any]] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def forced_grammar(
+    forced: ForcedToolCall, pieces: Callable[[str], list[str | int]], *, alternative: dict[str, Any] | None = None
+) -> str:
+    """A forced call as a grammar in llguidance's Lark dialect: ``prefix``, the call's JSON, ``suffix``.
+
+    ``pieces(text)`` splits the checkpoint's markup into text and control-token ids (``CheckpointTokenizer.
+    split_controls``): a control token is written ``<[id]>`` (the one token, never its spelling in text), text as a
+    string literal. ``alternative``: a JSON schema the reply may be instead of a call (``tool_choice`` auto with a
+    JSON ``response_format``: the model chooses between its answer and a call).
+    """
+
+    def literal(text: str) -> str:
+        out = []
+        for piece in pieces(text):
+            out.append(f"<[{piece}]>" if isinstance(piece, int) else json.dumps(piece))
+        return " ".join(out)
+
+    schema = {**forced.schema, "x-guidance": _CALL_LAYOUT}
+    call = " ".join(p for p in (literal(forced.prefix), "call_json", literal(forced.suffix)) if p)
+    lines = [f"start: {call}" if alternative is None else f"start: answer_json | {call}"]
+    lines.append(f"call_json: %json {json.dumps(schema, ensure_ascii=False)}")
+    if alternative is not None:
+        answer = {**alternative, "x-guidance": _CALL_LAYOUT}
+        lines.append(f"answer_json: %json {json.dumps(answer, ensure_ascii=False)}")
+    return "\n".join(lines)
