@@ -390,3 +390,28 @@ def test_scripted_replies_in_each_familys_format_come_back_as_its_calls(served: 
         assert text(sender) == content, (family, reply)
         got = [(c["name"], json.loads(c["arguments"])) for c in calls_of(sender)]
         assert got == calls, (family, reply)
+
+
+def test_auto_with_a_json_response_format_is_that_json_or_a_call() -> None:
+    """tool_choice auto with a JSON schema response_format: each reply is either JSON valid for the schema (content,
+    no call) or a valid call (no content); both happen over the seeds (the grammar offers the model both)."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    constraint = json.dumps({"type": "json_schema", "schema": schema})
+    rig = Rig(DEMO, slots=32, max_ctx=1024, default_max_tokens=200, blocks=2048)
+    senders = [rig.submit(k, ["user"], [QUESTIONS[k % 4]], end=True, tools=json.dumps(TOOLS), constraint=constraint,
+                          temperature=1.2, seed=k) for k in range(1, 25)]
+    rig.run(*senders)
+    kinds = set()
+    for sender in senders:
+        assert sender.refusal is None, sender.refusal
+        assert sender.last.finish == "stop"
+        calls = calls_of(sender)
+        if calls:
+            assert text(sender) == ""
+            check_calls(calls, {t["function"]["name"] for t in TOOLS})
+            kinds.add("call")
+        else:
+            jsonschema.validate(json.loads(text(sender)), schema)
+            kinds.add("json")
+    assert kinds == {"call", "json"}
