@@ -865,7 +865,7 @@ def test_required_allows_any_tool_and_round_trips_through_the_parser(fmt_name: s
     key = "parameters" if fmt_name == "llama3_json" else "arguments"
     weather = {"name": "get_weather", key: {"location": "Paris"}}
     time = {"name": "get_time", key: {"zone": "UTC"}}
-    examples: list[Any] = [[weather], [weather, time]] if fmt_name == "mistral" else [weather, time]
+    examples: list[Any] = [[weather], [time]] if fmt_name == "mistral" else [weather, time]
     for example in examples:
         jsonschema.validate(example, forced.schema)
         reply = parse_tool_calls(forced.prefix + json.dumps(example) + forced.suffix, fmt)
@@ -877,7 +877,9 @@ def test_required_allows_any_tool_and_round_trips_through_the_parser(fmt_name: s
     if fmt_name == "mistral":
         assert forced.prefix == "[TOOL_CALLS]"
         with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate([], forced.schema)  # at least one call
+            jsonschema.validate([], forced.schema)  # one call: not none
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([weather, time], forced.schema)  # nor two
         jsonschema.validate([{**weather, "id": "abc123XYZ"}], forced.schema)
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([{**weather, "id": "call_1"}], forced.schema)

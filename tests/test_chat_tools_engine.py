@@ -415,3 +415,72 @@ def test_auto_with_a_json_response_format_is_that_json_or_a_call() -> None:
             jsonschema.validate(json.loads(text(sender)), schema)
             kinds.add("json")
     assert kinds == {"call", "json"}
+
+
+# -- a marker that is a special token ---------------------------------------------------------------------------------
+
+MISTRAL_STYLE = (
+    "{%- if tools is not none %}{{- '<|system|>[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]<|end|>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{{- '<|assistant|>[TOOL_CALLS][' }}"
+    "{%- for call in message['tool_calls'] %}{{- '{\"name\": ' + (call['function']['name'] | tojson) + "
+    "', \"arguments\": ' + (call['function']['arguments'] | tojson) + ', \"id\": ' + (call['id'] | tojson) + '}' }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- ']<|end|>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|user|>[TOOL_RESULTS]' + message['content'] + '[/TOOL_RESULTS]<|end|>' }}"
+    "{%- else %}{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def marker_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """The demo with its last id made the special token ``[TOOL_CALLS]`` (as in Mistral's vocabularies) and a
+    Mistral-style tool_use template: a marker whose token has no bytes, which the reader must still see."""
+    folder = tmp_path_factory.mktemp("marker") / "demo"
+    shutil.copytree(DEMO, folder)
+    raw = json.loads((folder / "tokenizer.json").read_text())
+    vocab = raw["model"]["vocab"]
+    spelled, marker = max(vocab.items(), key=lambda kv: kv[1])
+    # The id's BPE token becomes the marker (the model's vocabulary has no room for one more id): its merge goes.
+    vocab["[TOOL_CALLS]"] = vocab.pop(spelled)
+    raw["model"]["merges"] = [m for m in raw["model"]["merges"]
+                              if "".join(m if isinstance(m, list) else m.split(" ")) != spelled]
+    raw["added_tokens"].append({"id": marker, "content": "[TOOL_CALLS]", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    (folder / "tokenizer.json").write_text(json.dumps(raw))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"][1]["template"] = MISTRAL_STYLE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder, marker
+
+
+def test_a_special_token_marker_is_read_but_never_shown(marker_checkpoint: tuple[Path, int]) -> None:
+    folder, marker = marker_checkpoint
+    rig = Rig(folder, max_ctx=1024, default_max_tokens=200)
+    assert rig.tokenizer.tool_format is not None
+    assert rig.tokenizer.tool_format.name == "mistral"
+    assert rig.tokenizer.tool_marker_ids == {marker: "[TOOL_CALLS]"}
+    calls_text = json.dumps('[{"name": "roll_dice", "arguments": {"sides": 6}}]')
+    grammar = f'start: "Let me see. " <[{marker}]> {calls_text}'
+    scripted_marker = json.dumps({"type": "grammar", "syntax": "lark", "grammar": grammar})
+    sender = rig.turn(1, ["user"], ["Roll."], tools=json.dumps(TOOLS), constraint=scripted_marker)
+    assert marker in rig.turns[1].reply_ids
+    assert text(sender) == "Let me see. "
+    calls = calls_of(sender)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("roll_dice", {"sides": 6})]
+    assert re.fullmatch("[A-Za-z0-9]{9}", calls[0]["id"])  # Mistral's templates pair results by 9-character ids
+
+    # Forced: the grammar writes the marker as its one token, then an array of valid calls.
+    forced = rig.turn(2, ["user"], ["Weather?"], tools=json.dumps(TOOLS), tool_choice=named("get_weather"),
+                      temperature=0.9, seed=4)
+    assert rig.turns[2].reply_ids[0] == marker
+    assert text(forced) == ""
+    check_calls_mistral = calls_of(forced)
+    assert check_calls_mistral
+    for call in check_calls_mistral:
+        assert call["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS["get_weather"])
+        assert re.fullmatch("[A-Za-z0-9]{9}", call["id"])

@@ -570,9 +570,9 @@ def forced_tool_call(tools: Sequence[Mapping[str, Any]], tool_choice: object, fm
 
     The schema is of one call object, ``{"name": {"const": NAME}, ARGUMENTS_KEY: the tool's parameters}`` (an
     ``anyOf`` over the tools for ``"required"``), for Llama 3 JSON (key ``parameters``, no prefix) and Hermes (key
-    ``arguments``, between ``<tool_call>\\n`` and ``\\n</tool_call>``); for Mistral an array of such objects
-    (``minItems`` 1, each with an optional 9-character ``id``) after ``[TOOL_CALLS]``. The call objects allow no other
-    keys, so a constrained model cannot pad a call with keys the parser would ignore.
+    ``arguments``, between ``<tool_call>\\n`` and ``\\n</tool_call>``); for Mistral an array of exactly one such
+    object (with an optional 9-character ``id``) after ``[TOOL_CALLS]``: a forced call is one call. The call objects
+    allow no other keys, so a constrained model cannot pad a call with keys the parser would ignore.
     """
     chosen = _chosen(check_tools(tools), tool_choice)
     if chosen is None:
@@ -594,7 +594,9 @@ def forced_tool_call(tools: Sequence[Mapping[str, Any]], tool_choice: object, fm
             }
         )
     call: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    schema = {"type": "array", "items": call, "minItems": 1} if fmt.many else call
+    # One call, as in the other formats: a model that babbles would otherwise fill the array until its cap, and a
+    # reply cut there is no call at all.
+    schema = {"type": "array", "items": call, "minItems": 1, "maxItems": 1} if fmt.many else call
     return ForcedToolCall(prefix=fmt.prefix, schema=schema, suffix=fmt.suffix)
 
 
