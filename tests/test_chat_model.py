@@ -629,3 +629,53 @@ async def test_eviction_on_chat_small_gives_a_new_conversation_the_longest_idle_
         alone = await Raw(small).turn(("user", "Hi."), start=True, end=True, max_tokens=2)
         assert (alone.live, alone.kv_bytes) == (1, alone.context * per)
         assert a.tokens > 0
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}]
+
+
+def tool_inputs(messages: list[tuple[str, str, str]], **options: object) -> dict[str, np.ndarray]:
+    """ROLE, TEXT and TOOL_META as raw tensors (what a tritonclient user sends), TOOLS and TOOL_CHOICE as one entry."""
+    out = inputs(*[(r, t) for r, t, _ in messages], **{k: v for k, v in options.items() if k != "tool_choice"})  # type: ignore[arg-type]
+    out["TOOL_META"] = np.array([m.encode() for _, _, m in messages], dtype=np.object_)
+    out["TOOLS"] = np.array([json.dumps(TOOLS).encode()], dtype=np.object_)
+    if "tool_choice" in options:
+        out["TOOL_CHOICE"] = np.array([str(options["tool_choice"]).encode()], dtype=np.object_)
+    return out
+
+
+async def test_tools_over_the_raw_protocol_and_the_stateless_twin(triton_server: LocalTriton) -> None:
+    """Raw tensors through Triton: a forced call comes back in TOOL_CALLS (no PIECE text), its result goes back as a
+    tool message with TOOL_META, and chat_stateless given the whole history with its TOOL_META gives the same reply."""
+    import jsonschema  # type: ignore[import-untyped]
+
+    async with Client(triton_server.grpc_url, timeout_s=120) as client:
+        chat, twin = await client.model("chat"), await client.model("chat_stateless")
+        first = [("system", SYSTEM, ""), ("user", "Is it raining in Bath?", "")]
+        async with chat.sequence() as seq:
+            calls_raw = b""
+            one = Turn()
+            async for result in seq.stream(tool_inputs(first, tool_choice="required", max_tokens=200)):
+                record(one, result)
+                if "TOOL_CALLS" in result.outputs:
+                    calls_raw = bytes(result["TOOL_CALLS"][0, 0])
+            assert one.finish == "stop"
+            assert one.reply == b""
+            calls = json.loads(calls_raw)
+            assert [c["name"] for c in calls] == ["get_weather"]
+            jsonschema.validate(json.loads(calls[0]["arguments"]), TOOLS[0]["function"]["parameters"])
+            result_msg = ("tool", "Rain, 12 C.", json.dumps({"tool_call_id": calls[0]["id"]}))
+            two = Turn()
+            async for result in seq.stream(tool_inputs([result_msg], max_tokens=12, digest=one.digest)):
+                record(two, result)
+            assert two.finish in ("stop", "length")
+            assert 0 < two.prompt < one.prompt / 2  # the result and its framing, not the history again
+        history = [*first, ("assistant", "", json.dumps({"tool_calls": calls})), result_msg]
+        again = Turn()
+        async for result in twin.stream(tool_inputs(history, max_tokens=12)):
+            record(again, result)
+        assert again.reply == two.reply
