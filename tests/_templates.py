@@ -6,7 +6,8 @@ them). Each names the special tokens it writes in ``<NAME>_TOKENS`` and the bos/
 - :data:`MISTRAL`: ``[INST] ... [/INST]``, the system message folded into the first user message, ``raise_exception``
   when roles do not alternate user/assistant.
 - :data:`GPT2_DEMO`: the demo checkpoint's (server_models/chat/demo_gpt2/tokenizer_config.json):
-  ``<|role|>text<|end|>``.
+  ``<|role|>text<|end|>``; with tools, Hermes-style (tools in the system turn, ``<tool_call>`` blocks, a tool result
+  as a user turn in ``<tool_response>``), and without tools exactly what it was before tools.
 - :data:`REWRITING`: ChatML-like, but an assistant reply *followed by a later user message* loses its content (as
   reasoning templates drop old thinking), and only the latest user message is marked: a conversation's next prompt
   is not an extension of the last one.
@@ -98,11 +99,31 @@ MISTRAL_TOKENS: Final = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
 MISTRAL_SPECIAL: Final = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 GPT2_DEMO: Final = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{- raise_exception('Roles are system, user and assistant, got ' + message['role']) }}"
+    "{%- if tools is not none %}"
+    "{{- '<|system|>' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, write a JSON object with the function\\'s name and arguments within "
+    "<tool_call></tool_call>:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n"
+    "</tool_call><|end|>' }}"
     "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools is not none %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|assistant|>' }}{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' + "
+    "(call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|end|>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|user|><tool_response>\\n' + message['content'] + '\\n</tool_response><|end|>' }}"
+    "{%- elif message['role'] in ['system', 'user'] %}"
     "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{%- else %}{{- raise_exception('Roles are system, user, assistant and tool, got ' + message['role']) }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
 )

@@ -295,7 +295,11 @@ def test_tools_on_a_template_that_takes_none_are_refused_with_the_reason(tmp_pat
     folder = tmp_path / "plain"
     shutil.copytree(DEMO, folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = config["chat_template"][0]["template"]  # the default template alone
+    # The demo's template from before tools: it never reads them.
+    config["chat_template"] = (
+        "{%- for message in messages %}{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     rig = Rig(folder)
     with pytest.raises(ValueError, match=r"TOOLS: this checkpoint's chat template .* does not read tools"):
@@ -452,7 +456,7 @@ def marker_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, i
                                 "rstrip": False, "normalized": False, "special": True})
     (folder / "tokenizer.json").write_text(json.dumps(raw))
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"][1]["template"] = MISTRAL_STYLE
+    config["chat_template"] = MISTRAL_STYLE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder, marker
 
