@@ -4,14 +4,16 @@ actions at once; afterwards nobody was harmed by anybody else.
 Actions: send a turn; read k pieces then cancel; time out mid-turn; close mid-turn (cancel, then close at once, what
 ``async with`` does on Ctrl-C); hostile values (a temperature of 1e-39, a 10 MB message, 200 stop strings of 10 KB);
 constrained turns (a JSON schema or a regex: the reply must be valid; some cancelled mid-reply, which must leave no
-trace, and constraints that do not compile, refused), sampled turns with penalties;
+trace, and constraints that do not compile, refused), sampled turns with penalties; tool turns (a forced call, which
+must be valid for its schema; its result sent back as a tool message; a forced call cancelled at any moment; tools
+whose schema does not compile, refused);
 open a chat and never send; and, on ``chat_small`` (two slots, the longest-idle conversation evicted at once),
 conversations that lose their slot to each other and replay their history.
 
 Invariants, checked after every run:
 - every turn that finished got exactly the reply a solo replay of its own recorded history gives on
   ``chat_stateless`` (greedy, or sampled with its seed: the same model and weights, keeping nothing; a constrained turn
-  with its constraint);
+  with its constraint, a tool turn with its tools and the tool fields of its history, its calls too);
 - no conversation failed because of another: every error is the one its own action asked for;
 - the server's ``LIVE`` and ``KV_BYTES`` (read with a one-request probe) return to their baseline.
 
@@ -34,11 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import attrs
+import jsonschema  # type: ignore[import-untyped]
 import numpy as np
 import pytest
 
 from triton_npu_client import (
     ChatMessage,
+    ChatOptions,
     ChatSession,
     Client,
     InvalidArgumentError,
@@ -47,6 +51,7 @@ from triton_npu_client import (
     RequestTimeout,
     ResponseFormat,
     SequenceCapacityError,
+    Tool,
 )
 
 SEED = int(os.environ.get("TNC_CHAOS_SEED", "20261201"))
@@ -56,7 +61,8 @@ SMALL_CONVERSATIONS = 4  # on chat_small's two slots: every turn may evict anoth
 WORDS = ("tea", "garden", "letter", "ball", "rain", "village", "sister", "carriage", "novel", "dinner", "walk")
 ACTIONS = (
     "send", "cancel", "timeout", "close_mid_turn", "temperature_tiny", "huge_message", "many_stops", "idle",
-    "constrained", "constrained_cancel", "bad_constraint", "penalized",
+    "constrained", "constrained_cancel", "bad_constraint", "penalized", "tool_call", "tool_result", "tool_cancel",
+    "bad_tools",
 )  # fmt: skip
 PERSON: dict[str, Any] = {
     "type": "object",
@@ -66,6 +72,23 @@ PERSON: dict[str, Any] = {
     "additionalProperties": False,
 }
 FORMATS = (ResponseFormat.json_schema(PERSON), ResponseFormat.regex(r"(yes|no), [a-z]{2,6}\."))
+WEATHER = Tool(
+    "get_weather",
+    description="The weather in a city",
+    parameters={
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 5}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+)
+ROLL = Tool("roll", parameters={
+    "type": "object", "properties": {"sides": {"type": "integer", "minimum": 2, "maximum": 20}}, "required": ["sides"],
+    "additionalProperties": False,
+})  # fmt: skip
+TOOLS = (WEATHER, ROLL)
+SCHEMAS: dict[str, Any] = {t.name: t.parameters for t in TOOLS}
 
 
 @dataclass
@@ -73,9 +96,10 @@ class Finished:
     """A turn that finished: the history the client held before it, its message, its options and its reply."""
 
     history: tuple[ChatMessage, ...]
-    text: str
+    text: str | ChatMessage
     options: dict[str, Any]
     reply: str
+    calls: tuple[tuple[str, str, str], ...] = ()  # the reply's tool calls: (id, name, arguments)
 
 
 @dataclass
@@ -96,11 +120,12 @@ def sentence(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 7))).capitalize() + "?"
 
 
-async def finish_turn(chat: ChatSession, tally: Tally, text: str, **options: Any) -> None:
+async def finish_turn(chat: ChatSession, tally: Tally, text: str | ChatMessage, **options: Any) -> None:
     """One whole turn; a finished one is recorded for the solo replay."""
     history = chat.messages
     reply = await chat.ask(text, **options)
-    tally.finished.append(Finished(history, text, turn_options(chat, options), reply.text))
+    calls = tuple((c.id, c.name, c.arguments) for c in reply.tool_calls)
+    tally.finished.append(Finished(history, text, turn_options(chat, options), reply.text, calls))
     tally.outcomes["finished"] += 1
 
 
@@ -199,6 +224,46 @@ async def conversation(model: Model, rng: random.Random, tally: Tally, index: in
                 elif action == "penalized":
                     await finish_turn(chat, tally, text, temperature=0.8, seed=rng.randrange(1 << 30),
                                       presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3)
+                elif action == "tool_call":
+                    forced = rng.choice(["required", {"type": "function", "function": {"name": "roll"}}])
+                    await finish_turn(chat, tally, text, tools=TOOLS, tool_choice=forced, max_tokens=0,
+                                      temperature=0.9, seed=rng.randrange(1 << 30))
+                    done = tally.finished[-1]
+                    if done.reply or not done.calls:
+                        tally.violations.append(f"conversation {index}: forced, it gave {done.reply!r}, {done.calls}")
+                    for _, name, arguments in done.calls:
+                        try:
+                            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+                        except (KeyError, ValueError, jsonschema.ValidationError) as err:
+                            tally.violations.append(f"conversation {index}: call {name}({arguments}) invalid: {err}")
+                elif action == "tool_result":
+                    last = chat.last_reply
+                    if last is None or not last.tool_calls:
+                        await finish_turn(chat, tally, text, tools=TOOLS)  # nothing to answer: tools shown, auto
+                    else:
+                        await finish_turn(chat, tally, ChatMessage.tool_result(last.tool_calls[0], "Rain, 12 C."),
+                                          tools=TOOLS, temperature=0.8, seed=rng.randrange(1 << 30))
+                        tally.outcomes["tool result sent"] += 1
+                elif action == "tool_cancel":
+                    # A forced call shows no text while it is written: cancelled at any moment of it (or after).
+                    task = asyncio.create_task(finish_turn(chat, tally, text, tools=TOOLS, tool_choice="required",
+                                                           max_tokens=0, temperature=1.0,
+                                                           seed=rng.randrange(1 << 30)))
+                    await asyncio.sleep(rng.random() * 0.5)  # any moment: before the request, mid-call or after
+                    task.cancel()
+                    await asyncio.wait([task])
+                    if not task.cancelled() and (failure := task.exception()) is not None:
+                        raise failure
+                    if task.cancelled():
+                        tally.outcomes["tool turn cancelled"] += 1
+                elif action == "bad_tools":
+                    broken = Tool("broken", parameters={"type": "wibble"})
+                    try:
+                        await chat.ask(text, tools=(broken,), tool_choice="required")
+                    except InvalidArgumentError:
+                        tally.outcomes["refused: tools"] += 1
+                    else:
+                        tally.violations.append(f"conversation {index}: a tool schema that does not compile was taken")
                 elif action == "idle":
                     tally.outcomes["idle"] += 1  # a chat that is open and sends nothing this step
             except Exception as err:
@@ -276,24 +341,37 @@ async def evicted_and_replayed(model: Model, rng: random.Random, tally: Tally) -
 
 async def solo_reply(stateless: Model, done: Finished) -> str:
     """The reply ``chat_stateless`` gives to the whole recorded history sent at once (a conversation of its own)."""
-    messages = [*done.history, ChatMessage("user", done.text)]
+    last = done.text if isinstance(done.text, ChatMessage) else ChatMessage("user", done.text)
+    messages = [*done.history, last]
     inputs: dict[str, Any] = {
         "ROLE": np.array([m.role.encode() for m in messages], dtype=np.object_),
         "TEXT": np.array([m.text.encode() for m in messages], dtype=np.object_),
+        # The options as the SDK sends them (the protocol's tensors): the replay is raw tensors for the rest.
+        **ChatOptions(**done.options).inputs(),
     }
-    for name, value in done.options.items():
-        if name == "response_format":
-            inputs["CONSTRAINT"] = np.array([value.wire().encode()], dtype=np.object_)
-        elif name == "seed":
-            inputs["SEED"] = np.array([value], np.int64)
-        elif name in ("temperature", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            inputs[name.upper()] = np.array([value], np.float32)
-        else:
-            inputs[name.upper()] = np.array([value], np.int32)
+    if any(m.tool_calls or m.tool_call_id is not None for m in messages):
+        inputs["TOOL_META"] = np.array([meta(m).encode() for m in messages], dtype=np.object_)
     reply = b""
+    calls: tuple[tuple[str, str, str], ...] = ()
     async for r in stateless.stream(**inputs):
         reply += bytes(r["PIECE"][0, 0])
+        if "TOOL_CALLS" in r.outputs and (raw := bytes(r["TOOL_CALLS"][0, 0])):
+            calls = tuple((c["id"], c["name"], c["arguments"]) for c in json.loads(raw))
+    if calls != done.calls:
+        return f"{reply.decode('utf-8', 'replace')} with calls {calls}, not {done.calls}"
     return reply.decode("utf-8", "replace")
+
+
+def meta(message: ChatMessage) -> str:
+    """A message's TOOL_META entry, as the protocol spells it."""
+    fields: dict[str, Any] = {}
+    if message.tool_calls:
+        fields["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        fields["name"] = message.name
+    return json.dumps(fields) if fields else ""
 
 
 async def probe(model: Model) -> tuple[int, int]:
@@ -373,5 +451,7 @@ async def test_chaos_on_the_chat_model(client: Client) -> None:
         assert len(tally.finished) >= CONVERSATIONS // 2
         totals += tally.outcomes
     # The runs exercised what they claim to (seeds whose scripts missed these would check less than they say).
-    for outcome in ("cancelled", "timed out", "closed mid-turn", "refused: huge message", "replays"):
+    exercised = ("cancelled", "timed out", "closed mid-turn", "refused: huge message", "replays", "tool result sent",
+                 "tool turn cancelled", "refused: tools")
+    for outcome in exercised:
         assert totals[outcome] >= 1, f"no {outcome!r} in seeds {SEED}..{SEED + RUNS - 1}"

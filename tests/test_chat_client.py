@@ -184,7 +184,7 @@ def test_history_items_and_message_checks() -> None:
     history = as_messages([("system", "s"), ChatMessage("user", "u"), ("assistant", "a")])
     assert history == (ChatMessage("system", "s"), ChatMessage("user", "u"), ChatMessage("assistant", "a"))
     assert as_messages(None) == ()
-    with pytest.raises(ChatMessageError, match="role is one of system, user, assistant; given 'bot'"):
+    with pytest.raises(ChatMessageError, match="role is one of system, user, assistant, tool; given 'bot'"):
         as_messages([("bot", "hi")])
     with pytest.raises(ChatMessageError, match=r"history\[1\]: expected a ChatMessage or a \(role, text\) pair"):
         as_messages([("user", "a"), ["user", "b"]])  # type: ignore[list-item]

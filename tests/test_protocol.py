@@ -47,7 +47,8 @@ def test_the_client_sends_only_protocol_inputs_for_its_options() -> None:
     """Every option set gives exactly the protocol's option inputs and STOP (the client's side of the names)."""
     every = ChatOptions(max_tokens=9, min_tokens=1, temperature=0.5, top_p=0.9, top_k=4, seed=3, stop=["#"],
                         stream_interval_ms=5, response_format={"type": "json_object"}, presence_penalty=0.5,
-                        frequency_penalty=-0.5, repetition_penalty=1.2, logprobs=2)  # fmt: skip
+                        frequency_penalty=-0.5, repetition_penalty=1.2, logprobs=2,
+                        tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")  # fmt: skip
     assert set(every.inputs()) == {*proto.OPTION_INPUTS, proto.STOP}
 
 

@@ -18,6 +18,7 @@ from ._chat import (
 )
 from ._constraint import ResponseFormat, as_response_format
 from ._sequence import SequenceSession, defer_sequence, new_sequence_id, open_sequence, validate_sequence_id
+from ._tools import Tool, ToolCall, ToolChoice
 
 __all__ = [
     "ChatMessage",
@@ -30,6 +31,9 @@ __all__ = [
     "ResponseFormat",
     "SequenceSession",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
     "TopLogprob",
     "as_response_format",
     "defer_chat",

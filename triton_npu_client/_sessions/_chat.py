@@ -17,6 +17,12 @@
   ``stream_interval_ms``) given when the chat is opened are its defaults; each turn may override them. Only options
   given are sent (the server has its own defaults). They are checked before anything is sent
   (:class:`ChatOptionError` names the option).
+- **Tools.** ``tools=`` (:class:`Tool` values or OpenAI's tool definitions) and ``tool_choice=`` are options like
+  the others (the chat's defaults, or a turn's). A reply that calls has :attr:`ChatReply.tool_calls` (its
+  ``finish_reason`` ``"tool_calls"``; its text the content before the calls); answer with the results as the next
+  turn, ``chat.send([ChatMessage.tool_result(call, "...") for call in reply.tool_calls])``. The history keeps the
+  assistant's calls and the results (``TOOL_META`` carries their fields, a replay of :attr:`~ChatSession.messages`
+  included), and the digest covers them.
 - **Streaming interval.** ``stream_interval_ms`` asks the server to merge a turn's pieces into at most one response
   per that many milliseconds (the first piece and the last response go at once): fewer, larger pieces cost the
   server, Triton and this client less per token, so many conversations at once decode faster. 0 streams every
@@ -82,7 +88,7 @@ from .._errors import (
     SequenceUsageError,
 )
 from .._model import ModelSpec
-from .._protocol import EMPTY, history_digest
+from .._protocol import EMPTY, digest_role, history_digest
 from .._protocol import chat as proto
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
@@ -96,6 +102,17 @@ from ._sequence import (
     SequenceSession,
     SessionTarget,
     open_sequence,
+)
+from ._tools import (
+    Tool,
+    ToolCall,
+    ToolChoice,
+    as_tool_choice,
+    as_tools,
+    calls_from_wire,
+    choice_name,
+    choice_wire,
+    tools_wire,
 )
 
 __all__ = [
@@ -113,7 +130,7 @@ __all__ = [
     "open_chat",
 ]
 
-ROLES: Final = ("system", "user", "assistant")
+ROLES: Final = ("system", "user", "assistant", "tool")
 _INT32_MAX: Final = 2**31 - 1
 #: The most alternatives per token the server gives with a log-probability (OpenAI's top_logprobs cap).
 MAX_TOP_LOGPROBS: Final = 20
@@ -138,20 +155,100 @@ def _check_text(_: object, __: object, value: Any) -> None:
         raise ChatMessageError(f"a chat message's text must be encodable as UTF-8: {err}") from None
 
 
+def _to_tool_calls(value: Any) -> tuple[ToolCall, ...]:
+    # Checked here, on the value as given: ToolCall values, or OpenAI's call mappings (a message's tool_calls as the
+    # openai client gives them).
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ChatMessageError(
+            f"a chat message's tool_calls is a sequence of ToolCall values; given {type(value).__name__}"
+        )
+    return tuple(c if isinstance(c, ToolCall) else ToolCall.from_openai(c) for c in value)
+
+
+def _check_optional_str(field: str) -> Callable[[object, object, Any], None]:
+    def check(_: object, __: object, value: Any) -> None:
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ChatMessageError(f"a chat message's {field} is a non-empty str or None; given {value!r:.80}")
+
+    return check
+
+
 @attrs.frozen
 class ChatMessage:
-    """One message of a conversation: ``role`` ("system", "user" or "assistant") and its ``text``."""
+    """One message of a conversation: ``role`` ("system", "user", "assistant" or "tool") and its ``text``, and the
+    fields tool use adds (keywords, empty for a plain message):
+
+    ``tool_calls``: an assistant message's calls (:class:`ToolCall` values, or OpenAI's call mappings), its ``text``
+    then the content before them (often ``""``); ``tool_call_id``: a ``tool`` message's, the id of the call whose
+    result its ``text`` is (:meth:`tool_result` makes one); ``name``: the function's name on a tool result (some
+    templates show it). Checked when made (:class:`ChatMessageError`): calls only on an assistant message, a call id
+    only on a tool message.
+    """
 
     role: str = attrs.field(validator=_check_role)
     text: str = attrs.field(validator=_check_text)
+    tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), kw_only=True, converter=_to_tool_calls)
+    tool_call_id: str | None = attrs.field(default=None, kw_only=True, validator=_check_optional_str("tool_call_id"))
+    name: str | None = attrs.field(default=None, kw_only=True, validator=_check_optional_str("name"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.tool_calls and self.role != "assistant":
+            raise ChatMessageError(f"tool_calls belong to an assistant message; given on a {self.role} message")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ChatMessageError(f"tool_call_id belongs to a tool message; given on a {self.role} message")
+
+    @classmethod
+    def tool_result(cls, call: ToolCall | str, text: Any, *, name: str | None = None) -> ChatMessage:
+        """The ``tool`` message answering ``call`` (a :class:`ToolCall`, or its id) with ``text``: a str, or any
+        JSON data (sent as its JSON text). ``name`` defaults to the call's function name (given a ToolCall)."""
+        if isinstance(call, ToolCall):
+            call_id, name = call.id, call.name if name is None else name
+        elif isinstance(call, str) and call:
+            call_id = call
+        else:
+            raise ChatMessageError(f"a tool result answers a ToolCall or its id (a non-empty str); given {call!r:.80}")
+        if not isinstance(text, str):
+            try:
+                text = json.dumps(text, ensure_ascii=False)
+            except (TypeError, ValueError, RecursionError) as err:
+                raise ChatMessageError(f"a tool result's text is a str or JSON data ({err})") from None
+        return cls("tool", text, tool_call_id=call_id, name=name)
+
+    @property
+    def has_tool_fields(self) -> bool:
+        """Whether the message carries tool-use fields (``TOOL_META`` sends them)."""
+        return bool(self.tool_calls) or self.tool_call_id is not None or self.name is not None
+
+    def tool_meta(self) -> str:
+        """The message's ``TOOL_META`` entry: ``""`` for one without tool fields, else a JSON object of them."""
+        if not self.has_tool_fields:
+            return ""
+        meta: dict[str, Any] = {}
+        if self.tool_calls:
+            meta["tool_calls"] = [c.wire for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            meta["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            meta["name"] = self.name
+        return json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+
+    @property
+    def digest_key(self) -> tuple[str, str]:
+        """What the history digest takes for this message: its role as ``digest_role`` spells it, and its text."""
+        calls = tuple((c.id, c.name, c.arguments) for c in self.tool_calls)
+        role = digest_role(self.role, tool_calls=calls, tool_call_id=self.tool_call_id, name=self.name)
+        return (role, self.text)
 
 
-def as_messages(history: Iterable[ChatMessage | tuple[str, str]] | None) -> tuple[ChatMessage, ...]:
-    """``history`` as :class:`ChatMessage` values: each item is one already, or a ``(role, text)`` pair."""
+def as_messages(
+    history: Iterable[ChatMessage | tuple[str, str]] | None, *, what: str = "history"
+) -> tuple[ChatMessage, ...]:
+    """``history`` as :class:`ChatMessage` values: each item is one already, or a ``(role, text)`` pair (``what``
+    names the argument in an error)."""
     if history is None:
         return ()
     if isinstance(history, str | bytes):
-        raise ChatMessageError("history is a sequence of ChatMessage values or (role, text) pairs, given a string")
+        raise ChatMessageError(f"{what} is a sequence of ChatMessage values or (role, text) pairs, given a string")
     out: list[ChatMessage] = []
     for i, item in enumerate(history):
         if isinstance(item, ChatMessage):
@@ -160,9 +257,32 @@ def as_messages(history: Iterable[ChatMessage | tuple[str, str]] | None) -> tupl
             out.append(ChatMessage(item[0], item[1]))
         else:
             raise ChatMessageError(
-                f"history[{i}]: expected a ChatMessage or a (role, text) pair, given {type(item).__name__}"
+                f"{what}[{i}]: expected a ChatMessage or a (role, text) pair, given {type(item).__name__}"
             )
     return tuple(out)
+
+
+def as_turn(message: str | ChatMessage | Sequence[ChatMessage | tuple[str, str]]) -> tuple[ChatMessage, ...]:
+    """A turn's new messages from what :meth:`ChatSession.send` takes: a str (a user message), one
+    :class:`ChatMessage`, or a sequence of them (or of ``(role, text)`` pairs); the last is a user message or a tool
+    result, as the server requires."""
+    if isinstance(message, str):
+        messages: tuple[ChatMessage, ...] = (ChatMessage("user", message),)
+    elif isinstance(message, ChatMessage):
+        messages = (message,)
+    elif isinstance(message, Sequence) and not isinstance(message, bytes):
+        messages = as_messages(cast(Sequence[ChatMessage | tuple[str, str]], message), what="message")
+    else:
+        raise ChatMessageError(
+            f"a turn's message is a str, a ChatMessage or a sequence of them; given {type(message).__name__}"
+        )
+    if not messages:
+        raise ChatMessageError("a turn sends at least one message (a user message or a tool result)")
+    if messages[-1].role not in ("user", "tool"):
+        raise ChatMessageError(
+            f"a turn's last message is a user message or a tool result (role user or tool); given {messages[-1].role}"
+        )
+    return messages
 
 
 def _is_int(value: object) -> bool:
@@ -257,6 +377,8 @@ class ChatOptionArgs(TypedDict, total=False):
     frequency_penalty: float | None
     repetition_penalty: float | None
     logprobs: int | None
+    tools: Sequence[Tool | Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | Tool | None
 
 
 _OPTION_NAMES: Final = ChatOptionArgs.__optional_keys__
@@ -285,6 +407,13 @@ class ChatOptions:
     token in the prompt or the reply divided by it where positive, multiplied where not; 1 is off).
     ``logprobs`` in 0..20: each reply token's log-probability (the model's own distribution, before temperature,
     penalties and ``response_format``) with that many most likely alternatives, on :attr:`ChatReply.logprobs`.
+    ``tools``: the functions the model may call (:class:`Tool` values or OpenAI's tool definitions, names unique; an
+    empty list is none, clearing a chat's default), rendered by the model's chat template: give the same ones every
+    turn, and the server's cache keeps the conversation's prefix. ``tool_choice``: ``"auto"`` (the server's default:
+    the model may call), ``"none"`` (the tools shown, the reply text), ``"required"`` (one or more calls) or a named
+    function (OpenAI's ``{"type": "function", "function": {"name": N}}``, or a :class:`Tool`); ``"required"`` and a
+    named function make the server constrain the reply to a call whose arguments are valid for the function's
+    ``parameters``. A named function must be among the tools, and a choice that forces a call needs tools at the turn.
     Invalid values raise :class:`ChatOptionError` naming the option.
     """
 
@@ -301,10 +430,25 @@ class ChatOptions:
     frequency_penalty: float | None = attrs.field(default=None, validator=_check_penalty("frequency_penalty"))
     repetition_penalty: float | None = attrs.field(default=None, validator=_check_repetition)
     logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)
+    tools: tuple[Tool, ...] | None = attrs.field(default=None, converter=as_tools)
+    tool_choice: ToolChoice | None = attrs.field(default=None, converter=as_tool_choice)
 
     def __attrs_post_init__(self) -> None:
         if self.min_tokens is not None and self.max_tokens and self.min_tokens > self.max_tokens:
             raise ChatOptionError("min_tokens", f"an int in 0..max_tokens ({self.max_tokens})", self.min_tokens)
+        # Checked when both are known: a chat's default choice may name a function its turns bring.
+        named = choice_name(self.tool_choice)
+        if named is not None and self.tools is not None and named not in {t.name for t in self.tools}:
+            known = ", ".join(t.name for t in self.tools) or "no tools"
+            raise ChatOptionError("tool_choice", f"a function among the tools ({known})", self.tool_choice)
+
+    def check_turn(self) -> None:
+        """What only a turn's options (the chat's with the turn's own) can be checked for: a choice that forces a
+        call (``"required"``, a named function) needs tools; the server would refuse the turn."""
+        if self.tool_choice not in (None, "auto", "none") and not self.tools:
+            raise ChatOptionError(
+                "tool_choice", "auto or none for a turn without tools (give tools=)", self.tool_choice
+            )
 
     def override(self, **given: Unpack[ChatOptionArgs]) -> ChatOptions:
         """These options with every one given (not ``None``) replaced; checked like the constructor."""
@@ -341,6 +485,11 @@ class ChatOptions:
                 out[name] = np.array([value], np.float32)
         if self.logprobs is not None:
             out[proto.LOGPROBS] = np.array([self.logprobs], np.int32)
+        # No tools (an empty list clears a chat's default) sends none: the template renders the plain conversation.
+        if self.tools:
+            out[proto.TOOLS] = np.array([tools_wire(self.tools).encode()], dtype=object)
+        if self.tool_choice is not None:
+            out[proto.TOOL_CHOICE] = np.array([choice_wire(self.tool_choice).encode()], dtype=object)
         return out
 
 
@@ -382,7 +531,10 @@ class ChatReply:
     """One completed turn: the reply's text and what the server reported about it. ``str(reply)`` is the text.
 
     ``finish_reason``: ``"stop"`` (the model ended the reply), ``"stop_string"``, ``"length"`` (``max_tokens``
-    reached) or ``"context"`` (the conversation filled the model's context). ``tokens``: generated this turn;
+    reached), ``"context"`` (the conversation filled the model's context) or ``"tool_calls"`` (the reply made
+    calls, whatever ended it: OpenAI's reading). ``tool_calls``: those calls (:class:`ToolCall` values, ids made by
+    the server); ``text`` is then the content before them (often ``""``: the server never sends a call's markup).
+    Answer them with :meth:`ChatMessage.tool_result` messages as the next turn. ``tokens``: generated this turn;
     ``prompt_tokens``: prefilled this turn; ``context_tokens``: held by the conversation afterwards;
     ``dropped``: messages the server dropped from the oldest end of the history to make room.
     ``input_tokens``: the whole prompt the reply was conditioned on (the history the server held plus what it
@@ -405,6 +557,7 @@ class ChatReply:
     input_tokens: int = 0
     #: With ``logprobs``: each reply token's log-probability (a stop string's tokens included), else None.
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -439,6 +592,41 @@ class PieceDecoder:
 # --- a chat's state, to resume it ----------------------------------------------------------------
 
 _STATE_KEYS: Final = ("model", "sequence_id", "messages", "pinned", "digest", "turns", "context_tokens")
+#: A message's keys in a state's dict: role and text always, the tool-use fields only when set (so a state without
+#: tools reads, and is written, exactly as before them).
+_MESSAGE_KEYS: Final = frozenset({"role", "text"})
+_MESSAGE_TOOL_KEYS: Final = frozenset({"tool_calls", "tool_call_id", "name"})
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "text": m.text}
+    if m.tool_calls:
+        out["tool_calls"] = [c.wire for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _message_from_dict(item: Mapping[str, Any]) -> ChatMessage:
+    calls = item.get("tool_calls", ())
+    if not isinstance(calls, list | tuple) or not all(isinstance(c, Mapping) for c in calls):
+        raise ChatMessageError(
+            f"tool_calls: expected a list of {{'id', 'name', 'arguments'}} mappings, given {calls!r:.80}"
+        )
+    for c in calls:
+        if set(c) != {"id", "name", "arguments"}:
+            raise ChatMessageError(
+                f"tool_calls: expected {{'id', 'name', 'arguments'}} mappings, given keys {sorted(map(str, c))}"
+            )
+    return ChatMessage(
+        item["role"], item["text"],
+        tool_calls=tuple(ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"]) for c in calls),
+        tool_call_id=item.get("tool_call_id"), name=item.get("name"),
+    )  # fmt: skip
+
+
 _HEX: Final = frozenset("0123456789abcdef")
 _DIGEST_MAX_CHARS: Final = 64  # the server's cap on a DIGEST input
 
@@ -461,7 +649,7 @@ def _check_state_id(_: object, __: object, value: Any) -> None:
     ):
         raise _state_error(
             "sequence_id", f"an int in 1..2**63-1 or a str of 1..{MAX_STR_ID_CHARS} characters", value
-        )
+        )  # fmt: skip
 
 
 def _to_state_messages(value: Any) -> tuple[ChatMessage, ...]:
@@ -524,7 +712,7 @@ class ChatState:
         return {
             "model": self.model,
             "sequence_id": self.sequence_id,
-            "messages": [{"role": m.role, "text": m.text} for m in self.messages],
+            "messages": [_message_dict(m) for m in self.messages],
             "pinned": self.pinned,
             "digest": self.digest,
             "turns": self.turns,
@@ -552,19 +740,20 @@ class ChatState:
             raise ChatMessageError(f"chat state 'messages': expected a list of messages, given {type(raw).__name__}")
         messages: list[ChatMessage] = []
         for i, item in enumerate(raw):
-            if not isinstance(item, Mapping) or set(item) != {"role", "text"}:
+            if not isinstance(item, Mapping) or not _MESSAGE_KEYS <= set(item) <= _MESSAGE_KEYS | _MESSAGE_TOOL_KEYS:
                 raise ChatMessageError(
-                    f"chat state 'messages'[{i}]: expected a {{'role': ..., 'text': ...}} mapping, given "
+                    f"chat state 'messages'[{i}]: expected a {{'role': ..., 'text': ...}} mapping (and tool_calls, "
+                    "tool_call_id, name where set), given "
                     + (f"keys {sorted(map(str, item))}" if isinstance(item, Mapping) else type(item).__name__)
                 )
             try:
-                messages.append(ChatMessage(item["role"], item["text"]))
+                messages.append(_message_from_dict(item))
             except ChatMessageError as err:
                 raise ChatMessageError(f"chat state 'messages'[{i}]: {err.message}") from None
         return cls(
             model=data["model"], sequence_id=data["sequence_id"], messages=tuple(messages), pinned=data["pinned"],
             digest=data["digest"], turns=data["turns"], context_tokens=data["context_tokens"],
-        )
+        )  # fmt: skip
 
 
 class ChatOpenArgs(ChatOptionArgs, total=False):
@@ -605,6 +794,22 @@ def _scalar(result: InferResult, name: str) -> Any:
 def _count(result: InferResult, name: str) -> int:
     value = _scalar(result, name)
     return 0 if value is None else int(value)
+
+
+def _reply_calls(result: InferResult, model: str, sequence_id: int | str) -> tuple[ToolCall, ...]:
+    """The calls a turn's last response carries in TOOL_CALLS (none: ``""``, or a model without the output)."""
+    raw = _scalar(result, proto.TOOL_CALLS)
+    if not isinstance(raw, bytes) or not raw:
+        return ()
+    try:
+        return calls_from_wire(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        # The server's own output: what it kept is unknown, as for a turn that ends without a finish reason.
+        raise InternalServerError(
+            f"chat {sequence_id!r}: the turn's {proto.TOOL_CALLS} output breaks the protocol: {err}",
+            model=model,
+            sequence_id=sequence_id,
+        ) from None
 
 
 def _check_chat_model(model: SessionTarget) -> None:
@@ -649,6 +854,31 @@ def _check_options_fit(spec: ModelSpec, options: ChatOptions) -> None:
             options.stream_interval_ms,
             model=spec.name,
         )
+    # A model from before tools: its config would refuse the inputs (and ROLE tool, below) as unknown.
+    if options.tools and spec.input(proto.TOOLS) is None:
+        raise ChatOptionError(
+            "tools", f"none: model {spec.name!r} takes no {proto.TOOLS} input (it cannot call tools)",
+            [t.name for t in options.tools], model=spec.name,
+        )  # fmt: skip
+    if options.tool_choice is not None and spec.input(proto.TOOL_CHOICE) is None:
+        raise ChatOptionError(
+            "tool_choice", f"none: model {spec.name!r} takes no {proto.TOOL_CHOICE} input (it cannot call tools)",
+            options.tool_choice, model=spec.name,
+        )  # fmt: skip
+
+
+def _check_messages_fit(spec: ModelSpec, messages: Iterable[ChatMessage]) -> None:
+    """Tool use in the messages (calls, results) needs the model's TOOL_META: without it the server would render
+    an assistant's calls as its bare text and could not take a tool message at all."""
+    if spec.input(proto.TOOL_META) is not None:
+        return
+    for m in messages:
+        if m.role == "tool" or m.has_tool_fields:
+            raise ChatMessageError(
+                f"model {spec.name!r} takes no {proto.TOOL_META} input: it cannot take a message with tool use "
+                f"(a {m.role} message{' with tool fields' if m.has_tool_fields else ''})",
+                model=spec.name,
+            )
 
 
 def _check_resume_fits(spec: ModelSpec) -> None:
@@ -685,7 +915,7 @@ class _Settings:
         return ChatSession(
             _resumed_sequence(seq, self.resume), options=self.options, prefix=self.prefix,
             replay_on_loss=self.replay_on_loss, resume=self.resume,
-        )
+        )  # fmt: skip
 
 
 def _settings(name: str, given: ChatOpenArgs) -> _Settings:
@@ -721,7 +951,7 @@ def _settings(name: str, given: ChatOpenArgs) -> _Settings:
         options=options, prefix=prefix, replay_on_loss=replay_on_loss, resume=resume, sequence_id=sequence_id,
         timeout_s=given.get("timeout_s", USE_CLIENT_DEFAULT),
         end_timeout_s=given.get("end_timeout_s", DEFAULT_END_TIMEOUT_S),
-    )
+    )  # fmt: skip
 
 
 def _resumed_sequence(seq: SequenceSession, resume: ChatState | None) -> SequenceSession:
@@ -735,6 +965,7 @@ def _resumed_sequence(seq: SequenceSession, resume: ChatState | None) -> Sequenc
 def _check_model_fits(model: SessionTarget, settings: _Settings) -> None:
     """The checks of a chat model's config against the settings: it takes the options given (and resuming)."""
     _check_options_fit(model.spec, settings.options)
+    _check_messages_fit(model.spec, settings.prefix if settings.resume is None else settings.resume.messages)
     if settings.resume is not None:
         _check_resume_fits(model.spec)
 
@@ -886,7 +1117,7 @@ class ChatSession:
         return ChatState(
             model=self._seq.model, sequence_id=self._seq.sequence_id, messages=tuple(self._messages),
             pinned=self._pinned, digest=self._digest, turns=self._turns, context_tokens=self._context_tokens,
-        )
+        )  # fmt: skip
 
     @property
     def last_reply(self) -> ChatReply | None:
@@ -912,26 +1143,39 @@ class ChatSession:
     # -- turns ----------------------------------------------------------------------------------------
 
     def send(
-        self, text: str, *, timeout_s: float | None = None, **options: Unpack[ChatOptionArgs]
+        self,
+        message: str | ChatMessage | Sequence[ChatMessage | tuple[str, str]],
+        *,
+        timeout_s: float | None = None,
+        **options: Unpack[ChatOptionArgs],
     ) -> AsyncGenerator[str, None]:
-        """Send the user message ``text`` and yield the reply as ``str`` pieces as they arrive.
+        """Send ``message`` and yield the reply as ``str`` pieces as they arrive.
 
-        Options given (:class:`ChatOptionArgs`) override the chat's defaults for this turn; ``timeout_s`` bounds this
-        turn instead of the
-        chat's timeout. After the loop completes, :attr:`last_reply` holds the turn's :class:`ChatReply`.
-        Checked at once, before anything is sent: the options (:class:`ChatOptionError`), the text, and that no
-        other turn streams (:class:`ChatBusyError`).
+        ``message``: a str (a user message), a :class:`ChatMessage`, or a sequence of them (say, the results of a
+        reply's several tool calls, :meth:`ChatMessage.tool_result`); the last one is a user message or a tool
+        result. Options given (:class:`ChatOptionArgs`) override the chat's defaults for this turn; ``timeout_s``
+        bounds this turn instead of the chat's timeout. After the loop completes, :attr:`last_reply` holds the
+        turn's :class:`ChatReply` (its ``tool_calls`` the calls the reply made). Checked at once, before anything is
+        sent: the options (:class:`ChatOptionError`), the messages (:class:`ChatMessageError`), and that no other
+        turn streams (:class:`ChatBusyError`).
         """
         turn = self._options.override(**options)
+        turn.check_turn()
         if timeout_s is not None and not (_is_number(timeout_s) and 0 < float(timeout_s) < math.inf):
             raise ChatOptionError("timeout_s", "a number of seconds > 0", timeout_s, model=self._seq.model)
-        user = ChatMessage("user", text)
+        messages = as_turn(message)
         self._refuse_busy()
-        return self._turn(user, turn, None if timeout_s is None else float(timeout_s))
+        return self._turn(messages, turn, None if timeout_s is None else float(timeout_s))
 
-    async def ask(self, text: str, *, timeout_s: float | None = None, **options: Unpack[ChatOptionArgs]) -> ChatReply:
-        """Send the user message ``text`` and return the whole reply (see :meth:`send`)."""
-        pieces = self.send(text, timeout_s=timeout_s, **options)
+    async def ask(
+        self,
+        message: str | ChatMessage | Sequence[ChatMessage | tuple[str, str]],
+        *,
+        timeout_s: float | None = None,
+        **options: Unpack[ChatOptionArgs],
+    ) -> ChatReply:
+        """Send ``message`` and return the whole reply (see :meth:`send`)."""
+        pieces = self.send(message, timeout_s=timeout_s, **options)
         async with contextlib.aclosing(pieces):
             async for _ in pieces:
                 pass
@@ -956,7 +1200,7 @@ class ChatSession:
             )
 
     async def _turn(
-        self, user: ChatMessage, options: ChatOptions, timeout_s: float | None
+        self, new: tuple[ChatMessage, ...], options: ChatOptions, timeout_s: float | None
     ) -> AsyncGenerator[str, None]:
         self._refuse_busy()  # again: another turn may have started since send() was called
         self._streaming = True
@@ -980,7 +1224,7 @@ class ChatSession:
                 try:
                     # Closed here, at once, when this turn is closed: left to the collector, the attempt (and its
                     # step, still holding the session) would end in a task of its own some time later.
-                    attempt = self._attempt(user, options, timeout_s, started, replayed=replayed)
+                    attempt = self._attempt(new, options, timeout_s, started, replayed=replayed)
                     async with contextlib.aclosing(attempt):
                         async for text in attempt:
                             if not yielded and span is not None:
@@ -1014,17 +1258,28 @@ class ChatSession:
         span.finish(err)
 
     async def _attempt(
-        self, user: ChatMessage, options: ChatOptions, timeout_s: float | None, started: float, *, replayed: bool
+        self,
+        new: tuple[ChatMessage, ...],
+        options: ChatOptions,
+        timeout_s: float | None,
+        started: float,
+        *,
+        replayed: bool,
     ) -> AsyncGenerator[str, None]:
         """One try at a turn on the current sequence: send, yield its text, commit it at its final response."""
         seq = self._seq
         _check_options_fit(seq.spec, options)  # a turn's own options, on the model the chat reached
-        outgoing = (*self._pending, user)
+        outgoing = (*self._pending, *new)
+        _check_messages_fit(seq.spec, outgoing)
         inputs: dict[str, object] = {
             proto.ROLE: np.array([m.role for m in outgoing], dtype=object),
             proto.TEXT: np.array([m.text.encode() for m in outgoing], dtype=object),
             **options.inputs(),
         }
+        if any(m.has_tool_fields for m in outgoing):
+            # Only then: a conversation without tool use sends exactly what it did before tools (and a replayed
+            # history's calls and results reach the server with their ids, so it renders the same tokens).
+            inputs[proto.TOOL_META] = np.array([m.tool_meta().encode() for m in outgoing], dtype=object)
         if not seq._starts_next and seq.spec.input(proto.DIGEST) is not None:
             # Not with START (the server's conversation is new); a resumed chat's first turn carries the state's. It
             # tells the server what the client holds: a turn the server finished but the client never saw end
@@ -1055,7 +1310,11 @@ class ChatSession:
                         first_at = time.perf_counter()
                 if finish_reason:
                     reply_text = "".join(parts)
-                    digest = history_digest(self._digest, [(m.role, m.text) for m in outgoing], reply_text)
+                    calls = _reply_calls(result, seq.model, seq.sequence_id)
+                    digest = history_digest(
+                        self._digest, [m.digest_key for m in outgoing], reply_text,
+                        tuple((c.id, c.name, c.arguments) for c in calls),
+                    )  # fmt: skip
                     theirs = _scalar(result, proto.DIGEST)
                     if isinstance(theirs, bytes) and theirs.decode("utf-8", "replace") != digest:
                         raise ChatHistoryMismatch(
@@ -1073,11 +1332,13 @@ class ChatSession:
                     now = time.perf_counter()
                     committed = True
                     self._commit(
-                        outgoing,
+                        new,
                         digest,
                         ChatReply(
                             text=reply_text,
-                            finish_reason=finish_reason,
+                            # OpenAI's reading: a reply that called is answered by the calls' results, whatever
+                            # ended it (the server says stop, or length after a complete call).
+                            finish_reason="tool_calls" if calls else finish_reason,
                             tokens=_count(result, proto.TOKENS),
                             prompt_tokens=_count(result, proto.PROMPT_TOKENS),
                             context_tokens=_count(result, proto.CONTEXT_TOKENS),
@@ -1087,6 +1348,7 @@ class ChatSession:
                             elapsed_s=now - started,
                             replayed=replayed,
                             logprobs=None if logprobs is None else tuple(logprobs),
+                            tool_calls=calls,
                         ),
                     )
                 if text:
@@ -1111,11 +1373,13 @@ class ChatSession:
         # Whatever the server may still hold for the lost id (Triton's sequence slot) is freed; bounded, best effort.
         await lost.aclose()
 
-    def _commit(self, outgoing: tuple[ChatMessage, ...], digest: str, reply: ChatReply) -> None:
+    def _commit(self, new: tuple[ChatMessage, ...], digest: str, reply: ChatReply) -> None:
         # Mirror the server's history exactly, so that replaying these messages rebuilds the same tokens: the
-        # server drops its oldest messages (after the leading system ones) to make room for a turn.
+        # server drops its oldest messages (after the leading system ones) to make room for a turn. (The pending
+        # messages sent with the turn are in the list already.) The reply is kept as the server keeps it: the
+        # content received and the calls.
         del self._messages[self._pinned : self._pinned + reply.dropped]
-        self._messages.extend((outgoing[-1], ChatMessage("assistant", reply.text)))
+        self._messages.extend((*new, ChatMessage("assistant", reply.text, tool_calls=reply.tool_calls)))
         self._pending = ()
         self._digest = digest
         self._turns += 1

@@ -8,7 +8,13 @@ checkpoint folder instead (see :func:`add_checkpoint_arguments`, shared with ``t
 A banner on stderr says which model the chat reached; a model the server lacks is answered with the chat models it
 has. A line that starts with ``/`` is a command, never sent (``//text`` sends ``/text``): ``/help``, ``/reset`` (a
 new conversation; the old one is ended on the server), ``/system TEXT`` (a new one with that system message),
-``/stats`` (the last reply's figures and the conversation's) and ``/quit``.
+``/stats`` (the last reply's figures and the conversation's), ``/result TEXT`` and ``/quit``.
+
+Tools: ``--tools FILE`` (a JSON array of OpenAI tool definitions) lets the model call them, ``--tool-choice`` says
+whether it may (``auto``, ``none``), must (``required``) or must call one function (its name). A reply's calls are
+shown on stdout after its text, one line each, ``→ NAME(ARGUMENTS)  [ID]``; ``/result TEXT`` answers the oldest call
+not yet answered, and once every call of the reply has its result they are sent together as the next turn (until
+then a line is refused: the model waits for the results).
 
 Keys and exit status:
 
@@ -38,7 +44,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 from .._errors import ModelNotFoundError, TritonError, UsageError
 from .._local import (
@@ -54,7 +60,7 @@ from ._urls import URL_HELP, add_url_argument, checked_urls
 
 if TYPE_CHECKING:
     from .._client import Client
-    from .._sessions import ChatReply, ChatSession
+    from .._sessions import ChatMessage, ChatReply, ChatSession, ToolCall
 
 __all__ = ["CHECKPOINT_FLAG", "add_arguments", "add_checkpoint_arguments", "checkpoint_repository", "run"]
 
@@ -200,6 +206,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a string the reply ends before (repeatable: each one ends it)",
     )
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same reply)")
+    p.add_argument(
+        "--tools", default=None, metavar="FILE",
+        help='tools the model may call: a JSON file holding a list of {"type": "function", "function": {"name", '
+        '"description", "parameters"}} (answer a call with /result TEXT)',
+    )  # fmt: skip
+    p.add_argument(
+        "--tool-choice", default=None, metavar="auto|none|required|NAME",
+        help="whether the model may call the tools (auto, the default), must not (none), must call (required) or "
+        "must call the function NAME; needs --tools",
+    )  # fmt: skip
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the embedded server")
     add_checkpoint_arguments(p)
 
@@ -274,6 +290,35 @@ def _stats(reply: ChatReply) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+def _read_tools(path: str) -> list[Any]:
+    """``--tools FILE``'s JSON, read before anything starts (the tools themselves are checked as ChatOptions checks
+    them); :class:`UsageError` (one line) when the file cannot be read or is not a JSON array."""
+    import json
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"--tools {path}: cannot read the file ({err})") from None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise UsageError(f"--tools {path}: not JSON ({err})") from None
+    if not isinstance(value, list):
+        raise UsageError(f"--tools {path}: expected a JSON array of tools, given a JSON {type(value).__name__}")
+    return value
+
+
+def _tool_choice(given: str | None) -> str | dict[str, Any] | None:
+    """``--tool-choice`` as the SDK takes it: one of the three words, else the name of the function to call."""
+    if given is None or given in ("auto", "none", "required"):
+        return given
+    return {"type": "function", "function": {"name": given}}
+
+
+def _call_line(call: ToolCall) -> str:
+    return f"\u2192 {call.name}({call.arguments})  [{call.id}]"
+
+
 def _dim(text: str, stream: TextIO) -> str:
     return f"\x1b[2m{text}\x1b[0m" if stream.isatty() else text
 
@@ -283,14 +328,21 @@ def _dim(text: str, stream: TextIO) -> str:
 _CONTROLS: Final = {c: "\ufffd" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if c not in (0x09, 0x0A)}
 
 
-async def _turn(chat: ChatSession, text: str, out: TextIO) -> ChatReply:
+async def _turn(chat: ChatSession, message: str | tuple[ChatMessage, ...], out: TextIO) -> ChatReply:
     terminal = out.isatty()
-    async with contextlib.aclosing(chat.send(text)) as pieces:
+    shown = False
+    async with contextlib.aclosing(chat.send(message)) as pieces:
         async for piece in pieces:
             out.write(piece.translate(_CONTROLS) if terminal else piece)
             out.flush()
+            shown = True
     reply = chat.last_reply
     assert reply is not None  # the loop completed, so the turn was recorded
+    if reply.tool_calls:
+        # On stdout with the text: the calls are the reply (a script reading the replies reads them too).
+        lines = "\n".join(_call_line(c) for c in reply.tool_calls)
+        out.write(("\n" if shown else "") + (lines.translate(_CONTROLS) if terminal else lines))
+        out.flush()
     return reply
 
 
@@ -299,6 +351,8 @@ _HELP: Final = """commands (a line that starts with / is a command; start it wit
   /reset         a new conversation (the system message stays)
   /system TEXT   a new conversation with TEXT as its system message (/system alone shows the one now)
   /stats         the last reply's figures (tokens, tokens/s, first token, ...) and the conversation's
+  /result TEXT   the result of the oldest tool call not answered yet (with --tools); once every call of the
+                 reply has one, they are sent as the next turn
   /quit          leave (so do Ctrl-D and the end of piped input)
 Ctrl-C during a reply cancels it (dropped from the history); at the prompt it leaves with status 130."""
 
@@ -314,6 +368,9 @@ class _Conversation:
         self.last_reply: ChatReply | None = None
         self.replies = 0
         self.tokens = 0
+        # The last reply's calls, and the results given so far (/result), oldest first: sent once all are in.
+        self.calls: tuple[ToolCall, ...] = ()
+        self.results: list[ChatMessage] = []
 
     @property
     def chat(self) -> ChatSession:
@@ -328,7 +385,12 @@ class _Conversation:
     async def restart(self, system: str | None) -> None:
         await self.aclose()
         self.system = system
+        self.calls, self.results = (), []
         await self.begin()
+
+    @property
+    def unanswered(self) -> tuple[ToolCall, ...]:
+        return self.calls[len(self.results) :]
 
     async def aclose(self) -> None:
         chat, self._chat = self._chat, None
@@ -339,6 +401,7 @@ class _Conversation:
         self.last_reply = reply
         self.replies += 1
         self.tokens += reply.tokens
+        self.calls, self.results = reply.tool_calls, []
 
     def stats(self) -> str:
         chat = self.chat
@@ -363,8 +426,30 @@ def _note(err: TextIO, text: str) -> None:
     err.flush()
 
 
-async def _command(line: str, talk: _Conversation, err: TextIO) -> bool:
-    """Run the command ``line`` (it starts with /); False for /quit."""
+def _awaiting(talk: _Conversation) -> str:
+    waiting = talk.unanswered
+    calls = f"{len(waiting)} tool call awaits" if len(waiting) == 1 else f"{len(waiting)} tool calls await"
+    return f"{calls} a result: /result TEXT answers {waiting[0].name} [{waiting[0].id}]"
+
+
+def _result(rest: str, talk: _Conversation, err: TextIO) -> tuple[ChatMessage, ...] | None:
+    """``/result TEXT``: the messages to send once every call has its result (None until then)."""
+    from .._sessions import ChatMessage
+
+    waiting = talk.unanswered
+    if not waiting:
+        err.write("triton-npu chat: no tool call awaits a result (/result answers the calls of the last reply)\n")
+        err.flush()
+        return None
+    talk.results.append(ChatMessage.tool_result(waiting[0], rest))
+    if talk.unanswered:
+        _note(err, f"[result of {waiting[0].name} [{waiting[0].id}] kept; {_awaiting(talk)}]")
+        return None
+    return tuple(talk.results)
+
+
+async def _command(line: str, talk: _Conversation, err: TextIO) -> bool | tuple[ChatMessage, ...]:
+    """Run the command ``line`` (it starts with /); False for /quit; the messages to send for the last /result."""
     name, _, rest = line.strip().partition(" ")
     rest = rest.strip()
     if name in ("/quit", "/exit"):
@@ -382,6 +467,10 @@ async def _command(line: str, talk: _Conversation, err: TextIO) -> bool:
             _note(err, "[new conversation with this system message]")
     elif name == "/stats":
         _note(err, talk.stats())
+    elif name == "/result":
+        results = _result(rest, talk, err)
+        if results is not None:
+            return results
     else:
         err.write(f"triton-npu chat: unknown command {name!r}: /help lists the commands (// sends a line "
                   "beginning with /)\n")  # fmt: skip
@@ -409,18 +498,29 @@ async def _repl(talk: _Conversation, keys: _Keys, out: TextIO, err: TextIO, *, p
         assert isinstance(line, str)
         if not line.strip():
             continue
+        message: str | tuple[ChatMessage, ...] = line
         if line.startswith("//"):
-            line = line[1:]
+            message = line[1:]
         elif line.startswith("/"):
-            if not await _command(line, talk, err):
+            done = await _command(line, talk, err)
+            if done is False:
                 return 0
+            if done is True:
+                continue
+            message = done
+        if isinstance(message, str) and talk.unanswered:
+            # The model waits for its calls' results: a user message now would leave them unanswered.
+            err.write(f"triton-npu chat: {_awaiting(talk)} (or /reset)\n")
+            err.flush()
             continue
         chat = talk.chat
-        keys.turn = asyncio.get_running_loop().create_task(_turn(chat, line, out))
+        keys.turn = asyncio.get_running_loop().create_task(_turn(chat, message, out))
         try:
             await asyncio.wait([keys.turn])
         finally:
             turn, keys.turn = keys.turn, None
+        if turn.cancelled() or turn.exception() is not None:
+            talk.results = []  # not sent after all: the calls wait for their results again
         if turn.cancelled():
             out.write("\n")
             out.flush()
@@ -432,6 +532,8 @@ async def _repl(talk: _Conversation, keys: _Keys, out: TextIO, err: TextIO, *, p
             out.flush()
             talk.record(turn.result())
             _note(err, _stats(turn.result()))
+            if talk.unanswered:
+                _note(err, f"[{_awaiting(talk)}]")
             continue
         out.write("\n")
         out.flush()
@@ -470,11 +572,14 @@ async def _session(ns: argparse.Namespace, keys: _Keys, out: TextIO, err: TextIO
     from .._sessions import ChatOptions
 
     # Checked first: a bad option must not wait for an embedded server to start.
-    options = {
+    if ns.tool_choice is not None and ns.tools is None:
+        raise UsageError("--tool-choice says how the model uses its tools: it needs --tools FILE")
+    options: dict[str, Any] = {
         "max_tokens": ns.max_tokens, "min_tokens": ns.min_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
         "top_k": ns.top_k, "seed": ns.seed, "stop": ns.stop,
+        "tools": None if ns.tools is None else _read_tools(ns.tools), "tool_choice": _tool_choice(ns.tool_choice),
     }  # fmt: skip
-    ChatOptions(**options)
+    ChatOptions(**options).check_turn()
     urls = checked_urls(ns.url)
     generated = checkpoint_repository(ns, CHECKPOINT_FLAG, prefix=f"triton-npu-chat-{os.getpid()}-")
     if generated is not None and urls is not None:
@@ -508,7 +613,7 @@ async def _session(ns: argparse.Namespace, keys: _Keys, out: TextIO, err: TextIO
             err.flush()
             server = await stack.enter_async_context(
                 LocalTriton(repository, startup_timeout_s=ns.startup_timeout)
-            )
+            )  # fmt: skip
             url = server.grpc_url
         client = await stack.enter_async_context(Client(url, timeout_s=30.0))
 
