@@ -488,3 +488,22 @@ def test_a_special_token_marker_is_read_but_never_shown(marker_checkpoint: tuple
         assert call["name"] == "get_weather"
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS["get_weather"])
         assert re.fullmatch("[A-Za-z0-9]{9}", call["id"])
+
+
+def test_a_stop_string_never_cuts_a_call() -> None:
+    """A stop string matched inside a call would leave broken markup (no call, its text shown): a forced call is not
+    searched for stops, and under auto a reply stops being searched once its call markup began; before it, a stop
+    cuts the text as ever."""
+    rig = Rig(DEMO, max_ctx=1024, default_max_tokens=200)
+    forced = rig.turn(1, ["user"], ["Weather?"], tools=json.dumps(TOOLS), tool_choice=named("get_weather"),
+                      stop=[",", '"'], temperature=0.9, seed=2)
+    assert text(forced) == ""
+    check_calls(calls_of(forced), {"get_weather"})
+    reply = 'Yes. <tool_call>\n{"name": "roll_dice", "arguments": {"sides": 6, "count": 2}}\n</tool_call>'
+    auto = rig.turn(2, ["user"], ["Roll."], tools=json.dumps(TOOLS), constraint=scripted(reply), stop=[","])
+    assert text(auto) == "Yes. "
+    assert [json.loads(c["arguments"]) for c in calls_of(auto)] == [{"sides": 6, "count": 2}]
+    cut = rig.turn(3, ["user"], ["Roll."], tools=json.dumps(TOOLS), constraint=scripted("Yes, " + reply), stop=[","])
+    assert text(cut) == "Yes"
+    assert cut.last.finish == "stop_string"
+    assert calls_of(cut) == []

@@ -142,24 +142,24 @@ async def test_a_model_of_the_wrong_kind_or_unknown_is_refused(oa: AsyncOpenAI) 
 
 CHAT_REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("n", {"n": 17}),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-    ("tool_choice", {"tool_choice": "required"}),
+    ("tools[0].type", {"tools": [{"type": "custom", "custom": {"name": "f"}}]}),
+    ("functions", {"functions": [{"name": "f", "parameters": {}}]}),
     ("logit_bias", {"logit_bias": {"50256": -100}}),
     ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("store", {"store": True}),
     ("messages[0].content[0].type", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
-    ("messages[0].role", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}),
+    ("messages[0].role", {"messages": [{"role": "function", "content": "x", "name": "f"}]}),
     ("messages[0].name", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}),
     ("not_a_parameter", {"not_a_parameter": 1}),
 ]  # fmt: skip
 RESPONSES_REFUSED: list[tuple[str, dict[str, Any]]] = [
-    ("tools", {"tools": [{"type": "web_search"}]}),
+    ("tools[0].type", {"tools": [{"type": "web_search"}]}),
     ("text.verbosity", {"text": {"format": {"type": "text"}, "verbosity": "high"}}),
     ("reasoning", {"reasoning": {"effort": "high"}}),
     ("background", {"background": True}),
     ("include", {"include": ["reasoning.encrypted_content"]}),
-    ("input[0].type", {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}),
+    ("input[0].type", {"input": [{"type": "reasoning", "summary": []}]}),
     ("input[0].content[0].type", {"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}),
 ]  # fmt: skip

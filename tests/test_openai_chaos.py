@@ -15,7 +15,10 @@ the users take them in turn. Each user's actions (its own schedule, one request 
   its end or left;
 - ``bad_input``: a refused parameter, an absurd value, an unknown id, a missing or wrong key, a body that is not JSON;
 - ``foreign``: another key's response or conversation fetched, listed, continued or deleted (404, as a missing one);
-- ``conversation``: ``POST /v1/conversations`` (sometimes with a system item), then turns with ``conversation=``.
+- ``conversation``: ``POST /v1/conversations`` (sometimes with a system item), then turns with ``conversation=``;
+- ``tool``: from the chain's head (or a new chain), a turn with tools and a named ``tool_choice`` (one call, its
+  arguments valid for the function's schema), then its result as a ``function_call_output`` continuing that response
+  (live: only the result is prefilled), streamed or not.
 
 Between the users' actions (an ``asyncio.Barrier`` parks them all; no request is in flight) the gateway stops and a
 new one starts on the same store, with a new ``Client``, as a new process would: every chain goes on across it.
@@ -23,7 +26,8 @@ new one starts on the same store, with a new ``Client``, as a new process would:
 Invariants, checked after the run (every violation collected, then one assert that lists them):
 
 - every response that completed, stored or not, equals its stateless replay: the whole history as its user's own
-  bookkeeping has it, sent to ``/v1/chat/completions`` (greedy, the same max tokens): the same text and the same
+  bookkeeping has it (calls and results included, with the same tools and tool_choice when the turn had them), sent
+  to ``/v1/chat/completions`` (greedy, the same max tokens): the same text (and calls) and the same
   ``input_tokens`` (so the history it was conditioned on is that one: a disconnected turn appears in none; the
   demo model's few tokens hardly depend on the history, so the text alone would miss a wrong one);
 - a streamed response's deltas add up to its final text, and its events open and close as the API says;
@@ -53,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import jsonschema  # type: ignore[import-untyped]
 import openai
 from _probe import probe
 from openai import AsyncOpenAI
@@ -69,12 +74,23 @@ MAX_CONVERSATIONS = 2
 WORDS = ("tea", "garden", "letter", "ball", "rain", "village", "sister", "carriage", "novel", "dinner", "walk")
 ACTIONS = (
     "continue", "continue", "stream", "fork", "store_false", "disconnect", "busy", "bad_input", "foreign",
-    "conversation",
+    "conversation", "tool",
 )  # fmt: skip
 ERROR_FIELDS = {"message", "type", "param", "code"}
 ANY = object()  # an error field whose value is not checked
 
-Pairs = tuple[tuple[str, str], ...]
+#: A message as the users keep it: (role, text), or (role, text, its tool fields in Chat Completions' shape).
+Message = tuple[str, str] | tuple[str, str, dict[str, Any]]
+Pairs = tuple[Message, ...]
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Bath", "Leeds", "York"]}, "days": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}  # fmt: skip
+TOOLS: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+FLAT: list[Any] = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 
 
 # --- what the users know ----------------------------------------------------------------------------------------
@@ -90,14 +106,20 @@ class Done:
     action: str
     history: Pairs  # up to and including this turn's user message
     text: str
-    tokens: int  # its max_output_tokens
+    tokens: int | None  # its max_output_tokens (None: none given)
     stored: bool
     input_tokens: int
     output_tokens: int
+    tools: bool = False  # the turn had TOOLS (its replay sends them too)
+    forced: str | None = None  # the function its tool_choice named
+    calls: tuple[tuple[str, str, str], ...] = ()  # the reply's calls: (id, name, arguments)
 
     @property
     def after(self) -> Pairs:
-        return (*self.history, ("assistant", self.text))
+        if not self.calls:
+            return (*self.history, ("assistant", self.text))
+        calls = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in self.calls]
+        return (*self.history, ("assistant", self.text, {"tool_calls": calls}))
 
 
 @dataclass
@@ -149,8 +171,14 @@ def sentence(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 7))).capitalize() + "?"
 
 
-def history(pairs: Pairs) -> list[dict[str, str]]:
-    return [{"role": role, "content": text} for role, text in pairs]
+def history(pairs: Pairs) -> list[dict[str, Any]]:
+    out = []
+    for message in pairs:
+        role, text = message[0], message[1]
+        fields: dict[str, Any] = message[2] if len(message) > 2 else {}  # type: ignore[misc]
+        content = None if fields.get("tool_calls") and not text else text  # a reply that is only calls: null
+        out.append({"role": role, "content": content, **fields})
+    return out
 
 
 def auth(key: str | None) -> dict[str, str]:
@@ -583,7 +611,7 @@ def _bad_responses(prev: dict[str, Any]) -> list[tuple[str, Any, int, str | None
     base = {"model": "chat", "input": "Hello?", "max_output_tokens": 4, **prev}
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]
     return [
-        ("tools", {**base, "tools": [{"type": "web_search"}]}, 400, "tools", "unsupported_parameter"),
+        ("tools", {**base, "tools": [{"type": "web_search"}]}, 400, "tools[0].type", "unsupported_parameter"),
         ("reasoning", {**base, "reasoning": {"effort": "high"}}, 400, "reasoning", "unsupported_parameter"),
         ("background", {**base, "background": True}, 400, "background", "unsupported_parameter"),
         # Log-probabilities and formats are served: what is refused is what the gateway has nothing for.
@@ -591,8 +619,8 @@ def _bad_responses(prev: dict[str, Any]) -> list[tuple[str, Any, int, str | None
         ("top_logprobs 21", {**base, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
         ("text format xml", {**base, "text": {"format": {"type": "xml"}}}, 400, "text.format", "invalid_value"),
         ("an image", {**base, "input": image}, 400, "input[0].content[0].type", "unsupported_parameter"),
-        ("a tool output", {**base, "input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400,
-         "input[0].type", "unsupported_parameter"),
+        ("a tool output answering no call", {**base, "input": [{"type": "function_call_output", "call_id": "c",
+         "output": "x"}]}, 400, "input[0].call_id", "invalid_value"),
         ("max_output_tokens 0", {**base, "max_output_tokens": 0}, 400, "max_output_tokens", "invalid_value"),
         ("max_output_tokens 1e12", {**base, "max_output_tokens": 10**12}, 400, "max_output_tokens", "invalid_value"),
         ("temperature -1", {**base, "temperature": -1}, 400, "temperature", "invalid_value"),
@@ -780,6 +808,71 @@ async def do_conversation(gate: Gate, user: User, tally: Tally) -> None:
     user.tree.append(done)  # a conversation's response may be forked from, like any other
 
 
+async def do_tool(gate: Gate, user: User, tally: Tally) -> None:
+    """A forced call (named), then its result continuing that response: the tool loop of an agent."""
+    base = user.head
+    oa = gate.oa(user.key)
+    what = f"{user}, tool"
+    question = sentence(user.rng)
+    before = base.after if base is not None else ()
+    previous = {"previous_response_id": base.id} if base is not None else {}
+    body = (await oa.responses.create(
+        model="chat", input=question, tools=FLAT, tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0, **previous,  # type: ignore[arg-type]
+    )).model_dump()  # fmt: skip
+    items = body["output"]
+    if body["status"] != "completed" or [i["type"] for i in items] != ["function_call"]:
+        raise AssertionError(f"a forced call gave {body['status']} {[i['type'] for i in items]}")
+    call = items[0]
+    arguments = json.loads(call["arguments"])
+    try:
+        jsonschema.validate(arguments, WEATHER)
+    except jsonschema.ValidationError as err:
+        tally.violation(f"{what}: the call's arguments {call['arguments']!r} are not valid: {err.message}")
+    called = Done(
+        id=body["id"], user=user.index, key=user.key, action="tool call", history=(*before, ("user", question)),
+        text="", tokens=None, stored=True, input_tokens=body["usage"]["input_tokens"],
+        output_tokens=body["usage"]["output_tokens"], tools=True, forced="get_weather",
+        calls=((call["call_id"], call["name"], call["arguments"]),),
+    )  # fmt: skip
+    tally.done.append(called)  # not the head, nor a fork's base: a call is answered by its result, not a question
+    result = f"{arguments.get('city')}: rain, {arguments.get('days')} days"
+    output = [{"type": "function_call_output", "call_id": call["call_id"], "output": result}]
+    ask: dict[str, Any] = {"model": "chat", "previous_response_id": called.id, "tools": FLAT, "temperature": 0,
+                           "max_output_tokens": user.tokens, "input": output}  # fmt: skip
+    if user.rng.random() < 0.5:
+        kinds: list[str] = []
+        deltas: list[str] = []
+        final: dict[str, Any] | None = None
+        async with await oa.responses.create(**ask, stream=True) as events:
+            async for event in events:
+                kinds.append(event.type)
+                if event.type == "response.output_text.delta":
+                    deltas.append(event.delta)
+                elif event.type in ("response.completed", "response.incomplete"):
+                    final = event.response.model_dump()
+        check_events(tally, f"{what} result", kinds, deltas, final)
+        assert final is not None
+        answered = final
+    else:
+        answered = (await oa.responses.create(**ask)).model_dump()
+    usage = answered["usage"]
+    if usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"] > 40:
+        tally.violation(f"{what}: the result turn prefilled {usage['input_tokens']} - "
+                        f"{usage['input_tokens_details']['cached_tokens']}: not live on the call's chat")  # fmt: skip
+    done = Done(
+        id=answered["id"], user=user.index, key=user.key, action="tool result",
+        history=(*called.after, ("tool", result, {"tool_call_id": call["call_id"]})), text=_text(answered),
+        tokens=user.tokens, stored=True, input_tokens=usage["input_tokens"], output_tokens=usage["output_tokens"],
+        tools=True,
+    )  # fmt: skip
+    tally.done.append(done)
+    tally.outcomes["tool loops"] += 1
+    user.tree.append(done)
+    user.head = done
+    user.note(f"tool: {called.id} called, {done.id} answered, from {base.id if base else 'nothing'}")
+
+
 ACTS: dict[str, Callable[[Gate, User, Tally], Awaitable[None]]] = {
     "continue": do_continue,
     "stream": do_stream,
@@ -790,6 +883,7 @@ ACTS: dict[str, Callable[[Gate, User, Tally], Awaitable[None]]] = {
     "bad_input": do_bad_input,
     "foreign": do_foreign,
     "conversation": do_conversation,
+    "tool": do_tool,
 }
 
 
@@ -852,13 +946,19 @@ async def restart(gate: Gate, barrier: asyncio.Barrier, tally: Tally, server: Lo
     await barrier.wait()
 
 
-async def twin(gate: Gate, done: Done) -> tuple[str, int, int]:
-    """The stateless replay: the whole history through Chat Completions (greedy, the same max tokens)."""
+async def twin(gate: Gate, done: Done) -> tuple[str, int, int, tuple[tuple[str, str, str], ...]]:
+    """The stateless replay: the whole history through Chat Completions (greedy, the same max tokens, the same tools
+    and tool_choice)."""
+    extra: dict[str, Any] = {"tools": TOOLS} if done.tools else {}
+    if done.forced is not None:
+        extra["tool_choice"] = {"type": "function", "function": {"name": done.forced}}
     got = await gate.oa(done.key).chat.completions.create(
-        model="chat", messages=history(done.history), max_tokens=done.tokens, temperature=0  # type: ignore[arg-type]
+        model="chat", messages=history(done.history), max_tokens=done.tokens, temperature=0, **extra  # type: ignore[arg-type]
     )
     assert got.usage is not None
-    return got.choices[0].message.content or "", got.usage.prompt_tokens, got.usage.completion_tokens
+    message = got.choices[0].message
+    calls = tuple((c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ())  # type: ignore[union-attr]
+    return message.content or "", got.usage.prompt_tokens, got.usage.completion_tokens, calls
 
 
 async def check_after(gate: Gate, tally: Tally) -> None:
@@ -874,9 +974,12 @@ async def check_after(gate: Gate, tally: Tally) -> None:
 
     async def compare(done: Done) -> None:
         async with limit:
-            text, prompt, completion = await twin(gate, done)
+            text, prompt, completion, calls = await twin(gate, done)
         story = tally.users[done.user].story()
-        if text != done.text:
+        if calls != done.calls:
+            tally.violation(f"{done.action} {done.id} of user {done.user}: calls {done.calls} but its stateless replay "
+                            f"{calls} (history {done.history}; the user's story: {story})", 2500)  # fmt: skip
+        elif text != done.text:
             tally.violation(f"{done.action} {done.id} of user {done.user}: {done.text!r} but its stateless replay "
                             f"{text!r} (history {done.history}; the user's story: {story})", 2500)  # fmt: skip
         elif (prompt, completion) != (done.input_tokens, done.output_tokens):

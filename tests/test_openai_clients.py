@@ -17,6 +17,7 @@ import importlib.util
 import ipaddress
 import os
 import socket
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -321,6 +322,13 @@ async def test_agents_openai_conversations_session_keeps_the_turns_in_the_gatewa
 async def litellm() -> AsyncIterator[Any]:
     import litellm as module  # after LITELLM_LOCAL_MODEL_COST_MAP is set (the offline fixture)
 
+    # The warnings LiteLLM silences when it is imported (its stream reader reads every attribute of a delta, which
+    # pydantic 2.11 warns about on an instance): pytest restores the filters after each test, so a test that finds
+    # LiteLLM imported already (tests/test_openai_tools.py uses it too) sets them again.
+    silenced = (".*conflict with protected namespace.*", ".*Accessing the.*attribute on the instance is deprecated.*",
+                ".*`ReadOnly` qualifier.*")  # fmt: skip
+    for message in silenced:
+        warnings.filterwarnings("ignore", message=message)
     module.telemetry = False
     yield module
     await module.close_litellm_async_clients()

@@ -13,7 +13,11 @@ How a request is served (docs/openai.md says it for users):
   before anything reaches a replica.
 - **Chat Completions** is stateless: a fresh chat whose first turn carries the whole history; its END follows the
   reply. The server's shared prefix blocks spare the prefill of a history it has seen; ``usage`` says how much
-  (``prompt_tokens_details.cached_tokens``).
+  (``prompt_tokens_details.cached_tokens``). One exception: a reply that made tool calls keeps its chat open
+  (*parked*, under the key of its whole history, :func:`._tools.history_key`), because the request that brings the
+  calls' results sends that history again; a request whose messages up to its last assistant message are exactly a
+  parked chat's history (every field: calls, ids, arguments by value, results) continues that chat, sending only its
+  new messages, so the results are all the server prefills.
 - **Responses** keep the chain's chat open (:mod:`._chains`) under the latest response's id, so a turn that names
   it sends and prefills only its new message. A turn naming an older response, or one whose chat is not open here
   (closed when idle, or a restarted gateway) starts from the stored state: resumed on the server's live sequence
@@ -51,7 +55,7 @@ from starlette.types import Receive, Scope, Send
 
 from .._errors import InvalidArgumentError, SequenceCapacityError, SequenceLost, TritonError
 from .._jobs import score_batches
-from .._sessions import ChatMessage, ChatReply, ChatSession, ChatState
+from .._sessions import ChatMessage, ChatReply, ChatSession, ChatState, ToolCall
 from .._trace import AVAILABLE as TRACING
 from .._trace import Span
 from .._trace import start as start_span
@@ -73,8 +77,9 @@ from ._schema import (
     item_query,
     response_request,
 )
-from ._store import MemoryStore, ResponseStore, StoredConversation, StoredResponse, message_item
+from ._store import MemoryStore, MessageRecord, ResponseStore, StoredConversation, StoredResponse, message_item
 from ._tokens import IDS, MASK, TokenPath, find_token_path
+from ._tools import check_tool_results, from_records, history_key, records
 
 if TYPE_CHECKING:
     from .._client import Client
@@ -86,7 +91,11 @@ _log = logging.getLogger("triton_npu_client.openai")
 #: How often a conversation turn reads its conversation again when an edit landed between its read and its claim.
 _CLAIM_TRIES: Final = 3
 
-_FINISH: Final = {"stop": "stop", "stop_string": "stop", "length": "length", "context": "length"}
+_FINISH: Final = {
+    "stop": "stop", "stop_string": "stop", "length": "length", "context": "length", "tool_calls": "tool_calls",
+}  # fmt: skip
+#: Item ids by item type (OpenAI's prefixes).
+_ITEM_PREFIX: Final = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
 def _keys_tuple(keys: Sequence[str]) -> tuple[str, ...]:
@@ -110,6 +119,10 @@ class GatewayOptions:
     detach_on_close: bool = False
 
 
+async def _nothing(head: str) -> None:
+    """A parked chat was closed: nothing refers to it."""
+
+
 def _owner(key: str) -> str:
     # Stored instead of the key: a record names whose it is without keeping a secret.
     return hashlib.sha256(b"triton-npu-openai\0" + key.encode()).hexdigest()[:32]
@@ -119,12 +132,26 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
 
 
-def _pairs(messages: Sequence[ChatMessage]) -> tuple[tuple[str, str], ...]:
-    return tuple((m.role, m.text) for m in messages)
+def _finish_reason(reply: ChatReply) -> str:
+    return "tool_calls" if reply.tool_calls else _FINISH.get(reply.finish_reason, "stop")
 
 
-def _messages(pairs: Sequence[Sequence[str]]) -> tuple[ChatMessage, ...]:
-    return tuple(ChatMessage(role, text) for role, text in pairs)
+def _openai_call(call: ToolCall) -> dict[str, Any]:
+    """A call as Chat Completions writes it in a message's ``tool_calls``."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _has_message(reply: ChatReply) -> bool:
+    """Whether a Responses output shows the reply's message item: it has text, or it made no call."""
+    return bool(reply.text) or not reply.tool_calls
+
+
+def _output_records(reply: ChatReply) -> list[MessageRecord]:
+    """The reply as a conversation keeps its output items: its message, then one record per call."""
+    out: list[MessageRecord] = [("assistant", reply.text)] if _has_message(reply) else []
+    for call in reply.tool_calls:
+        out.append(("assistant", "", {"tool_calls": [{"id": call.id, "name": call.name, "arguments": call.arguments}]}))
+    return out
 
 
 @attrs.frozen(kw_only=True)
@@ -308,7 +335,7 @@ class _Head:
 
     id: str
     model: str
-    messages: tuple[tuple[str, str], ...]
+    messages: tuple[MessageRecord, ...]
     chat_state: dict[str, Any] | None
 
     @classmethod
@@ -332,6 +359,13 @@ class _Turn:
     created_at: int = attrs.field(factory=lambda: int(time.time()))
     reply: ChatReply | None = None
     ran: bool = False  # run() started: from then on it releases the claims and settles the chat itself
+    call_items: list[str] = attrs.field(factory=list)  # the ids of the reply's function_call items, in order
+
+    def call_item(self, index: int) -> str:
+        """The item id of the reply's call ``index`` (made once, so the stream's events and the body agree)."""
+        while len(self.call_items) <= index:
+            self.call_items.append(_new_id("fc"))
+        return self.call_items[index]
 
 
 class Gateway:
@@ -345,6 +379,9 @@ class Gateway:
         self.catalog = Catalog(client)
         self.metrics = Metrics()
         self.chains = Chains(max_live=options.max_live_chains, idle_s=options.live_idle_s, on_close=self._chain_closed)
+        # Chat Completions' chats whose reply made calls, under their history's key (their next request brings the
+        # results); nothing is stored about them.
+        self.parked = Chains(max_live=options.max_live_chains, idle_s=options.live_idle_s, on_close=_nothing)
         self._keys = tuple((_owner(k), hashlib.sha256(k.encode()).digest()) for k in options.api_keys)
         self._turns = 0
         self._closing: set[asyncio.Task[None]] = set()
@@ -352,6 +389,7 @@ class Gateway:
 
     async def aclose(self) -> None:
         await self.catalog.aclose()
+        await self.parked.aclose(detach=False)  # nothing stored names them: a restarted gateway could not find them
         chats = await self.chains.aclose(detach=self.options.detach_on_close)
         if self.options.detach_on_close:
             await asyncio.gather(*(chat.detach() for _, chat in chats), return_exceptions=True)
@@ -444,7 +482,9 @@ class Gateway:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def _send(self, chat: ChatSession, text: str, options: dict[str, Any]) -> AsyncGenerator[str, None]:
+    async def _send(
+        self, chat: ChatSession, message: ChatMessage | Sequence[ChatMessage], options: dict[str, Any]
+    ) -> AsyncGenerator[str, None]:
         """``chat.send``, making room once when the server is at its conversation cap.
 
         The chains this gateway keeps open hold conversations on the server; while they are idle (but not yet
@@ -454,17 +494,18 @@ class Gateway:
         """
         try:
             first = True
-            pieces = chat.send(text, **options)
+            pieces = chat.send(message, **options)
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
                     first = False
                     yield piece
             return
         except SequenceCapacityError:
-            if not first or not await self.chains.close_oldest():
+            # A parked Chat Completions chat first: its next request replays with its prefix blocks shared.
+            if not first or not (await self.parked.close_oldest() or await self.chains.close_oldest()):
                 raise
         self.metrics.made_room.inc()
-        pieces = chat.send(text, **options)
+        pieces = chat.send(message, **options)
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
                 yield piece
@@ -569,14 +610,16 @@ class Gateway:
 
     # -- chat completions ---------------------------------------------------------------------------------------
 
-    async def chat_completion(self, req: ChatRequest, *, started: float) -> AsyncIterator[tuple[str, int, Any]]:
+    async def chat_completion(
+        self, req: ChatRequest, owner: str, *, started: float
+    ) -> AsyncIterator[tuple[str, int, Any]]:
         """The replies as ("piece", choice, text) events, then ("done", choice, reply) for each choice; errors raise
         APIError. With ``n`` > 1 each choice is a conversation of its own on the same history, sent at once (so the
         server admits them together and a long history's blocks are computed once and shared), its seed the
         request's plus its index when a seed is given; their events interleave as they arrive."""
         await self.served(req.model, "chat")
         if req.n == 1:
-            async for kind, value in self._choice(req, req.generation.options(), started):
+            async for kind, value in self._choice(req, req.generation.options(), started, owner):
                 yield kind, 0, value
             return
         sources = []
@@ -584,18 +627,41 @@ class Gateway:
             options = req.generation.options()
             if "seed" in options:
                 options["seed"] += i
-            sources.append(self._choice(req, options, started))
+            sources.append(self._choice(req, options, started, None))
         async with contextlib.aclosing(_merged(sources)) as events:  # type: ignore[type-var]
             async for i, (kind, value) in events:
                 yield kind, i, value
 
+    def _parked_chat(self, req: ChatRequest, owner: str) -> tuple[ChatSession, int, str] | None:
+        """The parked chat this request continues, the index of its first new message and the chat's key: its
+        messages up to the last assistant one (which made calls) are the chat's history, and the rest are results
+        and user messages."""
+        messages = req.messages
+        last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].role == "assistant"), None)
+        if last is None or not messages[last].tool_calls:
+            return None
+        if any(m.role not in ("user", "tool") for m in messages[last + 1 :]):
+            return None
+        key = history_key(owner, req.model, messages[: last + 1])
+        chat = self.parked.take(key)
+        return None if chat is None else (chat, last + 1, key)
+
     async def _choice(
-        self, req: ChatRequest, options: dict[str, Any], started: float
+        self, req: ChatRequest, options: dict[str, Any], started: float, owner: str | None
     ) -> AsyncIterator[tuple[str, Any]]:
-        history, last = req.messages[:-1], req.messages[-1]
-        chat = self.client.chat(req.model, history=history, replay_on_loss=True, timeout_s=self.options.timeout_s)
+        """One choice's turn. ``owner`` (one choice only) parks the chat when the reply makes calls, and continues a
+        parked one when the request brings its calls' results."""
+        found = None if owner is None else self._parked_chat(req, owner)
+        if found is not None:
+            chat, start, key = found
+            outgoing: Sequence[ChatMessage] = req.messages[start:]
+        else:
+            history = req.messages[:-1]
+            chat = self.client.chat(req.model, history=history, replay_on_loss=True, timeout_s=self.options.timeout_s)
+            outgoing, key = req.messages[-1:], ""
+        turns = chat.turns
         try:
-            pieces = self._send(chat, last.text, options)
+            pieces = self._send(chat, outgoing[0] if len(outgoing) == 1 else outgoing, options)
             first = True
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
@@ -609,7 +675,16 @@ class Gateway:
         except TritonError as err:
             raise from_sdk(err) from None
         finally:
-            self._close_later(chat)  # stateless: END frees the conversation (its full prefix blocks stay shared)
+            usable = chat.is_open and not chat.is_lost
+            reply = chat.last_reply
+            if owner is not None and usable and chat.turns > turns and reply is not None and reply.tool_calls:
+                # The next request brings the calls' results with this very history: it continues here.
+                self.parked.adopt(history_key(owner, req.model, chat.messages), chat, owner=owner,
+                                  model=req.model)  # fmt: skip
+            elif owner is not None and found is not None and usable and chat.turns == turns:
+                self.parked.adopt(key, chat, owner=owner, model=req.model)  # the turn never ran: as it was
+            else:
+                self._close_later(chat)  # stateless: END frees the conversation (its full prefix blocks stay shared)
 
     # -- responses ----------------------------------------------------------------------------------------------
 
@@ -660,7 +735,7 @@ class Gateway:
             live = self.chains.peek(req.previous_response_id, owner)
             if live is not None:
                 chat, model = live
-                previous = _Head(id=req.previous_response_id, model=model, messages=_pairs(chat.messages),
+                previous = _Head(id=req.previous_response_id, model=model, messages=records(chat.messages),
                                  chat_state=None)  # fmt: skip
             else:
                 record = await self.store.get_response(req.previous_response_id, owner=owner)
@@ -700,14 +775,21 @@ class Gateway:
     ) -> tuple[ChatSession, str]:
         base: tuple[ChatMessage, ...] = ()
         if previous is not None:
-            base = _messages(previous.messages)
+            base = from_records(previous.messages)
         elif conversation is not None:
-            base = _messages(conversation.messages)
+            base = from_records(conversation.messages)
+        found = check_tool_results((*base, *req.messages))
+        if found is not None:
+            # One of the input's items, or (items added through the items API) one of the conversation's.
+            param = f"input[{req.item_of[found[0] - len(base)]}].call_id" if found[0] >= len(base) else "input"
+            raise invalid(param, f"{param}: {found[1]}")
         system = ChatMessage("system", req.instructions) if req.instructions is not None else None
         leading = next((i for i, m in enumerate(base) if m.role != "system"), len(base))
         same_system = system is None or (leading == 1 and base[0] == system)
         timeout = self.options.timeout_s
-        if previous is not None and previous.model == req.model and same_system and len(req.messages) == 1:
+        # New messages only (the user's, tools' results): the chain's chat takes them as they are.
+        appended = all(m.role in ("user", "tool") for m in req.messages)
+        if previous is not None and previous.model == req.model and same_system and appended:
             chat = self.chains.take(previous.id)
             if chat is not None:
                 return chat, "live"
@@ -734,7 +816,9 @@ class Gateway:
         turn.ran = True
         commit: asyncio.Task[None] | None = None
         try:
-            pieces = self._send(chat, req.messages[-1].text, req.generation.options())
+            # A chain's own chat takes the new messages; a fresh one holds all but the last as its history.
+            outgoing = req.messages if turn.how in ("live", "resumed") else req.messages[-1:]
+            pieces = self._send(chat, outgoing[0] if len(outgoing) == 1 else outgoing, req.generation.options())
             first = True
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
@@ -807,7 +891,7 @@ class Gateway:
         if not req.store:
             self._close_later(chat)  # store=false keeps nothing after the response
             return
-        items = tuple({"id": _new_id("msg"), **item} for item in req.items)
+        items = _with_ids(req.items)
         record = StoredResponse(
             id=turn.id,
             owner=turn.owner,
@@ -816,7 +900,7 @@ class Gateway:
             status=body["status"],
             body=body,
             input_items=items,
-            messages=_pairs(chat.messages),
+            messages=records(chat.messages),
             previous_response_id=turn.previous.id if turn.previous else None,
             conversation_id=turn.conversation.id if turn.conversation else None,
             chat_state=chat.state.to_dict(),
@@ -826,13 +910,12 @@ class Gateway:
             # The conversation's items grow by this turn's input and output in the same write as its head moves, so
             # they always equal the head's history (the instructions aside: OpenAI lists them as no item, and here
             # they stand in for the system message).
-            turn_items = [message_item(item["id"], item["role"], m.text) for item, m in zip(items, req.messages,
-                                                                                            strict=True)]  # fmt: skip
-            turn_items.extend(body["output"])  # the reply's one message item, as the response shows it
-            pairs = [*_pairs(req.messages), ("assistant", reply.text)]  # as the chat keeps it (chat.messages)
+            turn_items = [_listed(item, rec) for item, rec in zip(items, req.records, strict=True)]
+            turn_items.extend(body["output"])  # the reply's message and calls, as the response shows them
+            recs = [*req.records, *_output_records(reply)]  # one per item; joined, they are the chat's messages
             moved = await self.store.advance_conversation(
                 turn.conversation.id, owner=turn.owner, expected_head=turn.conversation.head, new_head=turn.id,
-                items=turn_items, messages=pairs,
+                items=turn_items, messages=recs,
             )  # fmt: skip
             if not moved:
                 # Another gateway moved the conversation meanwhile: this response stays, outside it.
@@ -847,14 +930,16 @@ class Gateway:
         usage: dict[str, Any] | None = None
         incomplete: dict[str, Any] | None = None
         if reply is not None:
-            finish = _FINISH.get(reply.finish_reason, "stop")
-            status = status or ("completed" if finish == "stop" else "incomplete")
+            finish = _finish_reason(reply)
+            status = status or ("incomplete" if finish == "length" else "completed")
             if finish == "length":
                 incomplete = {"reason": "max_output_tokens"}
-            output.append(self.message_item(
-                turn, reply.text, "completed" if status == "completed" else "incomplete",
-                _openai_logprobs(reply) if req.generation.logprobs is not None else None,
-            ))  # fmt: skip
+            if _has_message(reply):
+                output.append(self.message_item(
+                    turn, reply.text, "completed" if status == "completed" else "incomplete",
+                    _openai_logprobs(reply) if req.generation.logprobs is not None else None,
+                ))  # fmt: skip
+            output.extend(self.call_item(turn, i, call) for i, call in enumerate(reply.tool_calls))
             u = _Usage.of(reply)
             usage = {
                 "input_tokens": u.prompt,
@@ -874,15 +959,15 @@ class Gateway:
             "max_output_tokens": req.generation.max_tokens,
             "model": req.model,
             "output": output,
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": turn.previous.id if turn.previous and req.previous_response_id else None,
             "conversation": {"id": turn.conversation.id} if turn.conversation else None,
             "store": req.store,
             "temperature": req.generation.temperature,
             "top_p": req.generation.top_p,
             "text": {"format": format_echo(req.generation.response_format)},
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": req.tool_choice_echo,
+            "tools": list(req.tools_echo),
             "truncation": req.truncation,
             "usage": usage,
             "metadata": req.metadata,
@@ -894,6 +979,12 @@ class Gateway:
     ) -> dict[str, Any]:
         content = [] if text is None else [self.text_part(text, logprobs)]
         return {"id": turn.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def call_item(turn: _Turn, index: int, call: ToolCall, *, status: str = "completed") -> dict[str, Any]:
+        """The reply's call ``index`` as a Responses ``function_call`` output item."""
+        return {"id": turn.call_item(index), "type": "function_call", "status": status, "call_id": call.id,
+                "name": call.name, "arguments": call.arguments}  # fmt: skip
 
     @staticmethod
     def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -970,7 +1061,7 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
         slot.__enter__()
         ident = _new_id("chatcmpl")
         created = int(time.time())
-        events = gateway.chat_completion(req, started=started)
+        events = gateway.chat_completion(req, owner, started=started)
         traced = _traced(events, "openai.chat.completions", req.model, request)
         if req.stream:
             return _EventStream(
@@ -1004,9 +1095,9 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
                 "choices": [
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": text, "refusal": None},
+                        "message": _chat_message(text, reply),
                         "logprobs": _chat_logprobs_body(req, reply),
-                        "finish_reason": _FINISH.get(reply.finish_reason, "stop"),
+                        "finish_reason": _finish_reason(reply),
                     }
                     for i, (text, reply) in enumerate(zip(texts, replies, strict=True))
                 ],
@@ -1084,8 +1175,8 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
             owner=owner,
             created_at=int(time.time()),
             metadata=req.metadata,
-            items=_conversation_items(req.items, req.messages),
-            messages=_pairs(req.messages),
+            items=_conversation_items(req.items, req.records),
+            messages=req.records,
             head=None,
         )
         await gateway.store.put_conversation(record)
@@ -1145,11 +1236,9 @@ def create_app(client: Client, *, store: ResponseStore | None = None, options: G
         item_query(request.query_params)
         req = conversation_items_request(await gateway.body(request), gateway.limits)
         conv_id = (await owned_conversation(request, owner)).id
-        items = _conversation_items(req.items, req.messages)
+        items = _conversation_items(req.items, req.records)
         async with editing(conv_id):
-            record = await gateway.store.add_conversation_items(
-                conv_id, owner=owner, items=items, messages=_pairs(req.messages)
-            )
+            record = await gateway.store.add_conversation_items(conv_id, owner=owner, items=items, messages=req.records)
         if record is None:
             raise _no_conversation(conv_id)
         return JSONResponse(
@@ -1278,9 +1367,20 @@ def _no_conversation(conv_id: str) -> APIError:
     return APIError(404, f"Conversation with id '{conv_id}' not found.", code="conversation_not_found")
 
 
-def _conversation_items(given: Sequence[dict[str, Any]], messages: Sequence[ChatMessage]) -> tuple[dict[str, Any], ...]:
-    """Items as a conversation lists them, each with a new id (one per message, its role as given)."""
-    return tuple(message_item(_new_id("msg"), item["role"], m.text) for item, m in zip(given, messages, strict=True))
+def _with_ids(items: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """Items as given, each with a new id of its type's prefix."""
+    return tuple({"id": _new_id(_ITEM_PREFIX.get(item["type"], "msg")), **item} for item in items)
+
+
+def _listed(item: dict[str, Any], rec: MessageRecord) -> dict[str, Any]:
+    """An input item (with its id) as a conversation lists it: a message written as the gateway writes its output
+    (its role as given), another item as it is."""
+    return message_item(item["id"], item["role"], rec[1]) if item["type"] == "message" else item
+
+
+def _conversation_items(given: Sequence[dict[str, Any]], recs: Sequence[MessageRecord]) -> tuple[dict[str, Any], ...]:
+    """Items as a conversation lists them, each with a new id (one record per item)."""
+    return tuple(_listed(item, rec) for item, rec in zip(_with_ids(given), recs, strict=True))
 
 
 def _conversation_body(record: StoredConversation) -> dict[str, Any]:
@@ -1359,6 +1459,26 @@ def _openai_logprobs(reply: ChatReply) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+def _chat_message(text: str, reply: ChatReply) -> dict[str, Any]:
+    """A choice's message: its content (null when the reply is only calls, as OpenAI's) and its calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not reply.tool_calls else None,
+                               "refusal": None}  # fmt: skip
+    if reply.tool_calls:
+        message["tool_calls"] = [_openai_call(c) for c in reply.tool_calls]
+    return message
+
+
+def _call_deltas(reply: ChatReply) -> list[dict[str, Any]]:
+    """A reply's calls as Chat Completions streams them: per call, a delta with its id, type, name and empty
+    arguments, then one with the arguments."""
+    deltas: list[dict[str, Any]] = []
+    for i, call in enumerate(reply.tool_calls):
+        head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        deltas.append({"tool_calls": [head]})
+        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+    return deltas
+
+
 def _chat_logprobs_body(req: ChatRequest, reply: ChatReply) -> dict[str, Any] | None:
     if req.generation.logprobs is None:
         return None
@@ -1368,7 +1488,8 @@ def _chat_logprobs_body(req: ChatRequest, reply: ChatReply) -> dict[str, Any] | 
 async def _chat_chunks(
     events: AsyncIterator[tuple[str, int, Any]], ident: str, created: int, req: ChatRequest
 ) -> AsyncIterator[bytes]:
-    """Chat Completions' SSE: a role chunk, content chunks, a finish chunk, the usage chunk if asked, [DONE]."""
+    """Chat Completions' SSE: a role chunk, content chunks, the calls' chunks (they come whole with the reply's last
+    response), a finish chunk, the usage chunk if asked, [DONE]."""
 
     def chunk(delta: dict[str, Any], finish: str | None, logprobs: Any = None, *, index: int = 0) -> bytes:
         body: dict[str, Any] = {
@@ -1386,17 +1507,20 @@ async def _chat_chunks(
     replies: list[ChatReply] = []
     try:
         async with contextlib.aclosing(_Ahead(events)) as stream:
+            # When the reply may be only calls, its content is null until text comes (as OpenAI streams it).
+            opening = {"role": "assistant", "content": None if req.generation.calls_possible else ""}
             for i in range(req.n):
-                yield chunk({"role": "assistant", "content": ""}, None, index=i)
+                yield chunk(opening, None, index=i)
             async for kind, index, value in stream:
                 if kind == "piece":
                     yield chunk({"content": value}, None, index=index)
                     continue
                 reply: ChatReply = value
                 replies.append(reply)
+                for delta in _call_deltas(reply):
+                    yield chunk(delta, None, index=index)
                 # The reply's log-probabilities come whole with its last response: they ride the finish chunk.
-                finish = _FINISH.get(reply.finish_reason, "stop")
-                yield chunk({}, finish, _chat_logprobs_body(req, reply), index=index)
+                yield chunk({}, _finish_reason(reply), _chat_logprobs_body(req, reply), index=index)
                 if req.include_usage and len(replies) == req.n:
                     usage = _Usage.of_choices(replies)
                     yield _sse(
@@ -1417,7 +1541,10 @@ async def _chat_chunks(
 
 async def _response_events(gateway: Gateway, turn: _Turn, pieces: AsyncIterator[str]) -> AsyncIterator[bytes]:
     """The Responses API's stream: created, in_progress, the message item and its text part, deltas, the done
-    events, then ``response.completed`` (or ``response.incomplete``; ``response.failed`` after an error)."""
+    events; then each call's item (added, its arguments' delta and done, the item done: the calls come whole with
+    the reply's last response); then ``response.completed`` (or ``response.incomplete``; ``response.failed`` after
+    an error). When the reply may be only calls, its message item opens with its first text (and at the end when
+    it has neither text nor calls)."""
     number = 0
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -1428,14 +1555,28 @@ async def _response_events(gateway: Gateway, turn: _Turn, pieces: AsyncIterator[
 
     ids = {"item_id": turn.message_id, "output_index": 0, "content_index": 0}
     parts: list[str] = []
+    opened = False
+
+    def opening() -> list[bytes]:
+        nonlocal opened
+        opened = True
+        item = gateway.message_item(turn, None, "in_progress")
+        return [
+            event("response.output_item.added", output_index=0, item=item),
+            event("response.content_part.added", **ids, part=gateway.text_part("")),
+        ]
+
     async with contextlib.aclosing(_Ahead(pieces)) as stream:
         yield event("response.created", response=gateway.response_body(turn))
         yield event("response.in_progress", response=gateway.response_body(turn))
-        item = gateway.message_item(turn, None, "in_progress")
-        yield event("response.output_item.added", output_index=0, item=item)
-        yield event("response.content_part.added", **ids, part=gateway.text_part(""))
+        if not turn.request.generation.calls_possible:
+            for data in opening():
+                yield data
         try:
             async for piece in stream:
+                if not opened:
+                    for data in opening():
+                        yield data
                 parts.append(piece)
                 yield event("response.output_text.delta", **ids, delta=piece, logprobs=[])
         except (APIError, TritonError) as err:
@@ -1447,11 +1588,27 @@ async def _response_events(gateway: Gateway, turn: _Turn, pieces: AsyncIterator[
             return
     text = "".join(parts)
     body = gateway.response_body(turn)
-    # The reply's log-probabilities come whole with its last response: the done events carry them.
-    logprobs = body["output"][0]["content"][0]["logprobs"] if body["output"] else []
-    yield event("response.output_text.done", **ids, text=text, logprobs=logprobs)
-    yield event("response.content_part.done", **ids, part=gateway.text_part(text, logprobs))
-    yield event("response.output_item.done", output_index=0, item=body["output"][0])
+    output = body["output"]
+    first_call = 0
+    if output and output[0]["type"] == "message":
+        first_call = 1
+        if not opened:
+            for data in opening():
+                yield data
+        # The reply's log-probabilities come whole with its last response: the done events carry them.
+        logprobs = output[0]["content"][0]["logprobs"]
+        yield event("response.output_text.done", **ids, text=text, logprobs=logprobs)
+        yield event("response.content_part.done", **ids, part=gateway.text_part(text, logprobs))
+        yield event("response.output_item.done", output_index=0, item=output[0])
+    for index in range(first_call, len(output)):
+        item = output[index]
+        yield event("response.output_item.added", output_index=index,
+                    item={**item, "arguments": "", "status": "in_progress"})  # fmt: skip
+        yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                    delta=item["arguments"])  # fmt: skip
+        yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                    arguments=item["arguments"])  # fmt: skip
+        yield event("response.output_item.done", output_index=index, item=item)
     assert turn.reply is not None
     _count(gateway.metrics, "/v1/responses", _Usage.of(turn.reply))
     yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)

@@ -6,14 +6,16 @@ Each endpoint's body is read by one function (:func:`chat_request`, :func:`embed
 The rules, the same for all:
 
 - **Known parameters only.** A parameter this gateway implements is checked (type, range, caps); one it does not
-  implement (``n`` > 1, ``logprobs``, ``tools``, images, audio, ...) is refused
+  implement (``logit_bias``, legacy ``functions``, hosted tools, images, audio, ...) is refused
   with a 400 that names it, never ignored; a parameter OpenAI does not define is refused the way OpenAI refuses it.
-  A refused parameter given at its neutral value (``n: 1``, ``logprobs: false``, ``tools: []``,
-  ``logit_bias: {}``) is accepted: it asks for nothing.
+  A refused parameter given at its neutral value (``logit_bias: {}``, ``functions: []``) is accepted: it asks for
+  nothing.
 - **Caps before cost.** Message counts, text bytes, stop strings and embedding inputs are capped here (see
   :class:`Limits`), so an absurd request is refused before it reaches a replica.
 - **Text only.** Content is a string or a list of text parts; any other part type is refused. Embeddings also take
   token arrays, the encoder's own ids (:mod:`._tokens`).
+- **Tools** are function tools (:mod:`._tools` reads them, their ``tool_choice``, and the calls and results in
+  messages and items); a tool result must answer a call of the assistant message it follows.
 """
 
 from __future__ import annotations
@@ -25,8 +27,21 @@ from typing import Any, Final
 import attrs
 
 from .._errors import ChatOptionError
-from .._sessions import ChatMessage, ResponseFormat, as_response_format
+from .._sessions import ChatMessage, ResponseFormat, Tool, as_response_format
 from ._errors import APIError, invalid, refused
+from ._tools import (
+    MessageRecord,
+    ToolChoice,
+    call_of_item,
+    chat_tool_calls,
+    check_tool_results,
+    merged,
+    output_of_item,
+    read_tool_choice,
+    read_tools,
+    records,
+    tool_name,
+)
 
 __all__ = [
     "ChatRequest",
@@ -68,6 +83,9 @@ class Limits:
     max_metadata_pairs: int = 16
     max_conversation_items: int = 20  # items one POST /v1/conversations/{id}/items adds, OpenAI's cap
     max_tokens: int = 32768
+    max_tools: int = 128  # OpenAI's cap on the tools of one request
+    max_tool_bytes: int = 262144  # the tools' definitions as JSON
+    max_tool_calls: int = 128  # the calls of one assistant message
 
 
 @attrs.frozen(kw_only=True)
@@ -84,12 +102,23 @@ class Generation:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: int | None = None  # alternatives per token with each token's log-probability (None: none asked)
+    tools: tuple[Tool, ...] | None = None  # the functions the model may call (None: none given)
+    tool_choice: ToolChoice | None = None  # the SDK's shape (None: not given, the model's default, auto)
+
+    @property
+    def calls_possible(self) -> bool:
+        """Whether the reply may be tool calls: tools are given, and tool_choice is not ``none``."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments for ``ChatSession.send``: only the options given. No output cap given is no cap (the
         SDK's ``max_tokens=0``): the reply may run to the end of the context, as OpenAI's do, and the response says
         ``max_output_tokens: null`` because none applied."""
         given = {k: v for k, v in attrs.asdict(self, recurse=False).items() if v is not None}
+        if not self.tools:
+            # No tools: a tool_choice of none or auto asks for nothing (required and named ones need tools).
+            given.pop("tools", None)
+            given.pop("tool_choice", None)
         given.setdefault("max_tokens", 0)
         return given
 
@@ -103,6 +132,7 @@ class ChatRequest:
     include_usage: bool
     user: str | None
     n: int = 1  # choices: each its own conversation on the same history (seed + i when a seed is given)
+    parallel_tool_calls: bool | None = None  # as given (the model's calls are not cut to one: docs/openai.md)
 
 
 @attrs.frozen(kw_only=True)
@@ -119,9 +149,12 @@ class EmbeddingRequest:
 @attrs.frozen(kw_only=True)
 class ResponseRequest:
     model: str
-    #: This turn's input as messages (the last one is the user's), and as the API lists them (input_items).
+    #: This turn's input as messages (the last one is the user's or a tool result), and as the API lists them
+    #: (input_items); a record per item (the conversation's), and the index of each message's first item.
     messages: tuple[ChatMessage, ...]
     items: tuple[dict[str, Any], ...]
+    records: tuple[MessageRecord, ...]
+    item_of: tuple[int, ...]
     instructions: str | None
     previous_response_id: str | None
     conversation: str | None
@@ -131,21 +164,25 @@ class ResponseRequest:
     metadata: dict[str, str]
     user: str | None
     truncation: str
+    #: What the response echoes: the tools (flat, as Responses lists them), tool_choice, parallel_tool_calls.
+    tools_echo: tuple[dict[str, Any], ...] = ()
+    tool_choice_echo: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
 
 
 @attrs.frozen(kw_only=True)
 class ConversationRequest:
-    messages: tuple[ChatMessage, ...]
     items: tuple[dict[str, Any], ...]
+    records: tuple[MessageRecord, ...]  # one per item
     metadata: dict[str, str]
 
 
 @attrs.frozen(kw_only=True)
 class ConversationItemsRequest:
-    """``POST /v1/conversations/{id}/items``: the messages to append, and the items as given (one per message)."""
+    """``POST /v1/conversations/{id}/items``: the items to append, as given, and a record of each."""
 
-    messages: tuple[ChatMessage, ...]
     items: tuple[dict[str, Any], ...]
+    records: tuple[MessageRecord, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -238,22 +275,17 @@ def _utf8(param: str, text: str, limit: int) -> str:
 
 # Parameters OpenAI defines that this gateway does not implement, with the value that asks for nothing.
 _NEUTRAL: Final[dict[str, Any]] = {
-    "tools": [],
     "functions": [],
     "logit_bias": {},
-    "parallel_tool_calls": False,
     "background": False,
     "max_tool_calls": None,
     "modalities": ["text"],
     "include": [],
 }
 _REFUSED_WHAT: Final[dict[str, str]] = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
-    "parallel_tool_calls": "tool calling",
-    "max_tool_calls": "tool calling",
+    "functions": "legacy function calling (give tools and tool_choice)",
+    "function_call": "legacy function calling (give tools and tool_choice)",
+    "max_tool_calls": "a cap on tool calls",
     "response_format": "a response format other than text",
     "text": "a text format other than plain text",
     "logit_bias": "logit biases",
@@ -274,14 +306,12 @@ _REFUSED_WHAT: Final[dict[str, str]] = {
 
 
 def _neutral(key: str, value: Any) -> bool:
-    if key in ("tool_choice", "function_call"):
+    if key == "function_call":
         return value in ("none", "auto", None)
     if key == "response_format":
         return bool(value == {"type": "text"})
     if key == "text":
         return value in ({"format": {"type": "text"}}, {})
-    if key == "parallel_tool_calls":
-        return isinstance(value, bool)  # with no tools (tools are refused on their own) it asks for nothing
     if key == "service_tier":
         return value in ("auto", "default")
     return key in _NEUTRAL and bool(value == _NEUTRAL[key])
@@ -359,31 +389,56 @@ def _content(param: str, content: object, limits: Limits, part_types: frozenset[
 
 
 def _message(where: str, item: object, limits: Limits, part_types: frozenset[str], *, responses: bool) -> ChatMessage:
+    """One message: Chat Completions' (``tool`` results and an assistant's ``tool_calls`` too) or a Responses
+    message item (its calls and their results are items of their own: :func:`_items`)."""
     if not isinstance(item, dict):
         raise invalid(where, f"{where}: expected a message object, given {_kind(item)}")
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise refused(f"{where}.type", f"input items of type {kind!r} (messages only)")
     role = item.get("role")
-    if role not in _ROLES:
-        if role in ("tool", "function"):
-            raise refused(f"{where}.role", f"messages of role {role!r} (tool calling)")
-        raise invalid(f"{where}.role", f"{where}.role: expected one of {', '.join(_ROLES)}, given {_shown(role)}")
+    if role == "function":
+        raise refused(f"{where}.role", "messages of role 'function' (legacy function calling: send the result as a "
+                      "message of role 'tool' with its tool_call_id)")  # fmt: skip
+    if role == "tool" and responses:
+        raise invalid(f"{where}.role", f"{where}.role: a tool's result is a function_call_output item (type, call_id, "
+                      "output), not a message")  # fmt: skip
+    if role not in _ROLES and role != "tool":
+        raise invalid(f"{where}.role", f"{where}.role: expected one of {', '.join([*_ROLES, 'tool'])}, given "
+                      f"{_shown(role)}")  # fmt: skip
     allowed = {"role", "content", "type", "id", "status"} if responses else {"role", "content"}
+    if not responses and role == "assistant":
+        allowed.add("tool_calls")
+    if role == "tool":
+        allowed |= {"tool_call_id", "name"}
     for key in item:
         if key not in allowed and item[key] is not None:
+            if key == "function_call":
+                raise refused(f"{where}.function_call", "legacy function calling (give the call in tool_calls)")
             raise refused(f"{where}.{key}", f"the message field {key!r}")
-    return ChatMessage(_ROLES[role], _content(f"{where}.content", item.get("content"), limits, part_types))
+    calls: tuple[Any, ...] = ()
+    if item.get("tool_calls") is not None:
+        calls = chat_tool_calls(f"{where}.tool_calls", item["tool_calls"], limits.max_tool_calls)
+    content = item.get("content")
+    text = "" if content is None and calls else _content(f"{where}.content", content, limits, part_types)
+    if role == "tool":
+        call_id = item.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"{where}.tool_call_id", f"{where}.tool_call_id: a tool result names the call it answers "
+                          f"(its id), given {_shown(call_id)}")  # fmt: skip
+        return ChatMessage("tool", text, tool_call_id=call_id, name=tool_name(f"{where}.name", item.get("name")))
+    return ChatMessage(_ROLES[role], text, tool_calls=calls)
 
 
-def _messages(
-    where: str, value: object, limits: Limits, part_types: frozenset[str], *, responses: bool
-) -> list[ChatMessage]:
+def _messages(where: str, value: object, limits: Limits, part_types: frozenset[str]) -> list[ChatMessage]:
+    """Chat Completions' ``messages``; a tool result must answer a call of the assistant message it follows."""
     if not isinstance(value, list) or not value:
         raise invalid(where, f"{where}: expected a non-empty array of messages, given {_kind(value)}")
     if len(value) > limits.max_messages:
         raise invalid(where, f"{where}: at most {limits.max_messages} messages, given {len(value)}")
-    return [_message(f"{where}[{i}]", m, limits, part_types, responses=responses) for i, m in enumerate(value)]
+    messages = [_message(f"{where}[{i}]", m, limits, part_types, responses=False) for i, m in enumerate(value)]
+    found = check_tool_results(messages)
+    if found is not None:
+        param = f"{where}[{found[0]}].tool_call_id"
+        raise invalid(param, f"{param}: {found[1]}")
+    return messages
 
 
 def _body(body: object) -> Mapping[str, Any]:
@@ -467,10 +522,11 @@ def _penalties(body: Mapping[str, Any]) -> dict[str, float | None]:
     out["repetition_penalty"] = _number(body, "repetition_penalty", 0.0, 10.0, open_low=True)
     return out
 
+
 _CHAT_KEYS: Final = frozenset(
     {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user",
      "stream", "stream_options", "metadata", "store", "response_format", "logprobs", "top_logprobs", "n",
-     *_PENALTY_KEYS}
+     "tools", "tool_choice", "parallel_tool_calls", *_PENALTY_KEYS}
 )  # fmt: skip
 _CHAT_PARTS: Final = frozenset({"text"})
 
@@ -483,18 +539,38 @@ def _max_tokens(body: Mapping[str, Any], keys: Sequence[str], limits: Limits) ->
     return values[0][1] if values else None
 
 
+def _tool_options(
+    body: Mapping[str, Any], limits: Limits, *, flat: bool
+) -> tuple[tuple[Tool, ...], tuple[dict[str, Any], ...], ToolChoice | None, ToolChoice, bool | None]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``: the tools, their echo, the SDK's choice and its echo,
+    and parallel_tool_calls as given."""
+    tools, echo = read_tools(
+        "tools", body.get("tools"), flat=flat, max_tools=limits.max_tools, max_bytes=limits.max_tool_bytes
+    )
+    choice, choice_echo = read_tool_choice("tool_choice", body.get("tool_choice"), [t.name for t in tools], flat=flat)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", f"parallel_tool_calls: expected a boolean, given {_kind(parallel)}",
+                      code="invalid_type")  # fmt: skip
+    return tools, echo, choice, choice_echo, parallel
+
+
+def _last_is_the_callers(param: str, messages: Sequence[ChatMessage], what: str) -> None:
+    if messages[-1].role not in ("user", "tool"):
+        raise invalid(param, f"the last {what} must be the user's or a tool's result (the reply follows it), given "
+                      f"role {messages[-1].role!r}")  # fmt: skip
+
+
 def chat_request(raw: object, limits: Limits) -> ChatRequest:
-    """``POST /v1/chat/completions``: the whole conversation each request; the last message is the user's."""
+    """``POST /v1/chat/completions``: the whole conversation each request; the last message is the user's or a
+    tool's result."""
     body = _body(raw)
     _check_keys(body, _CHAT_KEYS)
     model = _str(body, "model", required=True)
     assert model is not None
-    messages = _messages("messages", body.get("messages"), limits, _CHAT_PARTS, responses=False)
-    if messages[-1].role != "user":
-        raise invalid(
-            f"messages[{len(messages) - 1}].role",
-            f"the last message must be the user's (the reply follows it), given role {messages[-1].role!r}",
-        )
+    messages = _messages("messages", body.get("messages"), limits, _CHAT_PARTS)
+    _last_is_the_callers(f"messages[{len(messages) - 1}].role", messages, "message")
+    tools, _, choice, _, parallel = _tool_options(body, limits, flat=False)
     stream = _bool(body, "stream", False)
     include_usage = False
     options = body.get("stream_options")
@@ -511,13 +587,19 @@ def chat_request(raw: object, limits: Limits) -> ChatRequest:
         model=model,
         messages=tuple(messages),
         generation=_generation(
-            body, ("max_completion_tokens", "max_tokens"), limits,
-            _response_format("response_format", body.get("response_format")), _chat_logprobs(body),
+            body,
+            ("max_completion_tokens", "max_tokens"),
+            limits,
+            _response_format("response_format", body.get("response_format")),
+            _chat_logprobs(body),
+            tools=tools,
+            tool_choice=choice,
         ),
         stream=stream,
         include_usage=include_usage,
         user=_str(body, "user"),
         n=_int(body, "n", 1, _MAX_CHOICES) or 1,
+        parallel_tool_calls=parallel,
     )
 
 
@@ -527,8 +609,13 @@ def _generation(
     limits: Limits,
     response_format: ResponseFormat | None = None,
     logprobs: int | None = None,
+    *,
+    tools: tuple[Tool, ...] = (),
+    tool_choice: ToolChoice | None = None,
 ) -> Generation:
     return Generation(
+        tools=tools or None,
+        tool_choice=tool_choice,
         max_tokens=_max_tokens(body, max_keys, limits),
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, open_low=True),
@@ -604,25 +691,73 @@ def embedding_request(raw: object, limits: Limits) -> EmbeddingRequest:
 _RESPONSE_KEYS: Final = frozenset(
     {"model", "input", "instructions", "previous_response_id", "conversation", "max_output_tokens", "temperature",
      "top_p", "seed", "stop", "stream", "store", "metadata", "user", "truncation", "prompt_cache_key",
-     "safety_identifier", "stream_options", "text", "top_logprobs", "include", *_PENALTY_KEYS}
+     "safety_identifier", "stream_options", "text", "top_logprobs", "include", "tools", "tool_choice",
+     "parallel_tool_calls", *_PENALTY_KEYS}
 )  # fmt: skip
 _INPUT_PARTS: Final = frozenset({"input_text", "output_text", "text"})
 
 
-def _items(where: str, value: object, limits: Limits) -> tuple[list[ChatMessage], list[dict[str, Any]]]:
-    """Input items as messages and as the API lists them (a string is one user message)."""
+@attrs.frozen(kw_only=True)
+class _Input:
+    """Input items as the model reads them (``messages``: a reply's text and calls joined into one assistant
+    message), as the API lists them (``items``, no ids yet), one record per item, and each message's first item."""
+
+    messages: tuple[ChatMessage, ...]
+    items: tuple[dict[str, Any], ...]
+    records: tuple[MessageRecord, ...]
+    item_of: tuple[int, ...]
+
+
+def _items(where: str, value: object, limits: Limits) -> _Input:
+    """Input items (a string is one user message): messages, ``function_call`` items (an assistant's calls) and
+    ``function_call_output`` items (a tool's results). What the gateway writes into an output item (ids, statuses,
+    an output_text part's annotations and logprobs) is taken back as it is."""
     if isinstance(value, str):
         text = _utf8(where, value, limits.max_text_bytes)
         item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-        return [ChatMessage("user", text)], [item]
-    messages = _messages(where, value, limits, _INPUT_PARTS, responses=True)
-    assert isinstance(value, list)  # _messages refused anything else
-    items = []
-    for m, given in zip(messages, value, strict=True):
-        role = given["role"]
-        part = "output_text" if m.role == "assistant" else "input_text"
-        items.append({"type": "message", "role": role, "content": [{"type": part, "text": m.text}]})
-    return messages, items
+        return _Input(messages=(ChatMessage("user", text),), items=(item,), records=(("user", text),), item_of=(0,))
+    if not isinstance(value, list) or not value:
+        raise invalid(where, f"{where}: expected a string or a non-empty array of input items, given {_kind(value)}")
+    if len(value) > limits.max_messages:
+        raise invalid(where, f"{where}: at most {limits.max_messages} items, given {len(value)}")
+
+    def text_of(param: str, content: object) -> str:
+        return _content(param, content, limits, _INPUT_PARTS)
+
+    each: list[ChatMessage] = []
+    items: list[dict[str, Any]] = []
+    for i, given in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(given, dict):
+            raise invalid(at, f"{at}: expected an input item object, given {_kind(given)}")
+        kind = given.get("type", "message")
+        if kind == "message":
+            m = _message(at, given, limits, _INPUT_PARTS, responses=True)
+            part = "output_text" if m.role == "assistant" else "input_text"
+            items.append({"type": "message", "role": given["role"], "content": [{"type": part, "text": m.text}]})
+        elif kind == "function_call":
+            call = call_of_item(at, given)
+            m = ChatMessage("assistant", "", tool_calls=(call,))
+            items.append({"type": "function_call", "call_id": call.id, "name": call.name,
+                          "arguments": call.arguments, "status": "completed"})  # fmt: skip
+        elif kind == "function_call_output":
+            call_id, text, name = output_of_item(at, given, text_of)
+            m = ChatMessage("tool", text, tool_call_id=call_id, name=name)
+            item = {"type": "function_call_output", "call_id": call_id, "output": text, "status": "completed"}
+            if name is not None:
+                item["name"] = name
+            items.append(item)
+        else:
+            raise refused(f"{at}.type", f"input items of type {kind!r} (messages, function_call and "
+                          "function_call_output only)")  # fmt: skip
+        each.append(m)
+    joined = merged(each)
+    return _Input(
+        messages=tuple(m for _, m in joined),
+        items=tuple(items),
+        records=records(each),
+        item_of=tuple(i for i, _ in joined),
+    )
 
 
 def _text_format(value: object) -> ResponseFormat | None:
@@ -645,12 +780,9 @@ def response_request(raw: object, limits: Limits) -> ResponseRequest:
     assert model is not None
     if body.get("input") is None:
         raise APIError(400, "Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
-    messages, items = _items("input", body.get("input"), limits)
-    if messages[-1].role != "user":
-        raise invalid(
-            "input",
-            f"the last input item must be the user's message (the reply follows it), given {messages[-1].role!r}",
-        )
+    given = _items("input", body.get("input"), limits)
+    _last_is_the_callers("input", given.messages, "input item")
+    tools, tools_echo, choice, choice_echo, parallel = _tool_options(body, limits, flat=True)
     stream = _bool(body, "stream", False)
     previous = _str(body, "previous_response_id")
     conversation = body.get("conversation")
@@ -682,36 +814,46 @@ def response_request(raw: object, limits: Limits) -> ResponseRequest:
         _str(body, key)
     return ResponseRequest(
         model=model,
-        messages=tuple(messages),
-        items=tuple(items),
+        messages=given.messages,
+        items=given.items,
+        records=given.records,
+        item_of=given.item_of,
         instructions=instructions,
         previous_response_id=previous,
         conversation=conversation,
         generation=_generation(
-            body, ("max_output_tokens",), limits, _text_format(body.get("text")), _response_logprobs(body)
+            body,
+            ("max_output_tokens",),
+            limits,
+            _text_format(body.get("text")),
+            _response_logprobs(body),
+            tools=tools,
+            tool_choice=choice,
         ),
         stream=stream,
         store=_bool(body, "store", True),
         metadata=_metadata(body, limits),
         user=_str(body, "user"),
         truncation=truncation or "disabled",
+        tools_echo=tools_echo,
+        tool_choice_echo=choice_echo,
+        parallel_tool_calls=True if parallel is None else parallel,
     )
 
 
 def conversation_request(raw: object, limits: Limits) -> ConversationRequest:
-    """``POST /v1/conversations``: optional initial ``items`` (messages) and ``metadata``."""
+    """``POST /v1/conversations``: optional initial ``items`` (as input items) and ``metadata``."""
     body = _body(raw if raw is not None else {})
     _check_keys(body, frozenset({"items", "metadata"}))
     value = body.get("items")
-    messages: list[ChatMessage] = []
-    items: list[dict[str, Any]] = []
-    if value is not None and value != []:
-        messages, items = _items("items", value, limits)
-    return ConversationRequest(messages=tuple(messages), items=tuple(items), metadata=_metadata(body, limits))
+    if value is None or value == []:
+        return ConversationRequest(items=(), records=(), metadata=_metadata(body, limits))
+    given = _items("items", value, limits)
+    return ConversationRequest(items=given.items, records=given.records, metadata=_metadata(body, limits))
 
 
 def conversation_items_request(raw: object, limits: Limits) -> ConversationItemsRequest:
-    """``POST /v1/conversations/{id}/items``: ``items``, 1 to ``max_conversation_items`` messages, read as input
+    """``POST /v1/conversations/{id}/items``: ``items``, 1 to ``max_conversation_items`` of them, read as input
     items are (an output item the gateway wrote is taken back as it is)."""
     body = _body(raw)
     _check_keys(body, frozenset({"items"}))
@@ -719,9 +861,9 @@ def conversation_items_request(raw: object, limits: Limits) -> ConversationItems
     if isinstance(value, list) and len(value) > limits.max_conversation_items:
         raise invalid("items", f"items: at most {limits.max_conversation_items} items a request, given {len(value)}")
     if isinstance(value, str) or value is None:
-        raise invalid("items", f"items: expected a non-empty array of message items, given {_kind(value)}")
-    messages, items = _items("items", value, limits)
-    return ConversationItemsRequest(messages=tuple(messages), items=tuple(items))
+        raise invalid("items", f"items: expected a non-empty array of items, given {_kind(value)}")
+    given = _items("items", value, limits)
+    return ConversationItemsRequest(items=given.items, records=given.records)
 
 
 def conversation_update_request(raw: object, limits: Limits) -> dict[str, str]:

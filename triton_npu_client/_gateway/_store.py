@@ -28,7 +28,10 @@ deleting one response of a chain never breaks the responses after it.
   the turn's items, a read and a write under SQLite's write lock): atomic even between two gateway processes sharing
   one file. False means the head moved (or the conversation is gone).
 - **Items.** A conversation's ``items`` are all of it, in order: those it was created with, those added through the
-  items API, and each response's input and output; ``messages`` are the same as (role, text) pairs, one per item.
+  items API, and each response's input and output; ``messages`` are the same as records, one per item.
+- **Records.** A message is kept as ``(role, text)``, or ``(role, text, fields)`` when it has tool fields
+  (``{"tool_calls": [{"id", "name", "arguments"}], "tool_call_id", "name"}``: an assistant's calls, a tool's result;
+  a ``function_call`` item is an assistant record with one call and no text).
   Adding or deleting items (``add_conversation_items``, ``delete_conversation_item``) clears the head in the same
   write: the server's conversation of the head no longer matches the items, so the next turn replays the items
   instead of continuing it.
@@ -39,7 +42,8 @@ deleting one response of a chain never breaks the responses after it.
   committed; a power cut may lose the last commits, never corrupt the file) and a busy timeout for the moments when
   another process writes. A table records the schema version; a newer one is refused (:class:`StoreError`), an
   older one is migrated when the file is opened (version 1 kept a conversation's first items only: version 2 fills
-  them in from the head response's history).
+  them in from the head response's history; version 3 adds the records with tool fields and the function_call and
+  function_call_output items, which a gateway of version 2 would not read: its records are version 3's as they are).
 - **Files it did not make are left alone.** An existing non-empty file must start with SQLite's header, and an SQLite
   database must hold no tables or this store's own: anything else is a :class:`StoreError` naming the path, and
   the file is left byte for byte as it was. A new file is made readable by its owner only (it holds conversations).
@@ -77,13 +81,15 @@ __all__ = [
     "StoreError",
     "StoredConversation",
     "StoredResponse",
+    "MessageRecord",
     "default_store_path",
     "message_item",
 ]
 
 # The schema this code writes; a file of a later one is refused (an older gateway must not half-understand it), an
-# earlier one migrated (see _migrate). 2: a conversation's items are all of its items, not only its first ones.
-SCHEMA_VERSION: Final = 2
+# earlier one migrated (see _migrate). 2: a conversation's items are all of its items, not only its first ones. 3:
+# records may carry tool fields, and items may be function calls and their outputs.
+SCHEMA_VERSION: Final = 3
 RESPONSE_STATUSES: Final = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 _SQLITE_HEADER: Final = b"SQLite format 3\x00"
@@ -122,13 +128,24 @@ class DuplicateIdError(RecordError):
 # --- the records --------------------------------------------------------------------------------------------------
 
 
-def _messages(value: Iterable[Sequence[str]]) -> tuple[tuple[str, str], ...]:
-    pairs = []
+#: A message as the store keeps it: ``(role, text)``, or ``(role, text, tool fields)`` (a JSON object).
+MessageRecord = tuple[str, str] | tuple[str, str, dict[str, Any]]
+
+
+def _messages(value: Iterable[Sequence[Any]]) -> tuple[MessageRecord, ...]:
+    out: list[MessageRecord] = []
     for message in value:
-        if len(message) != 2 or not all(isinstance(part, str) for part in message):
-            raise TypeError(f"a message is a (role, text) pair of str, not {message!r}")
-        pairs.append((message[0], message[1]))
-    return tuple(pairs)
+        if (
+            len(message) not in (2, 3)
+            or not all(isinstance(part, str) for part in message[:2])
+            or (len(message) == 3 and not isinstance(message[2], dict))
+        ):
+            raise TypeError(
+                f"a message is a (role, text) pair of str, or (role, text, tool fields) with an object of them, not "
+                f"{message!r}"
+            )
+        out.append((message[0], message[1]) if len(message) == 2 else (message[0], message[1], dict(message[2])))
+    return tuple(out)
 
 
 def _items(value: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
@@ -146,7 +163,7 @@ class StoredResponse:
     """One stored response, as the gateway needs it to answer ``GET /v1/responses/{id}`` and to continue from it.
 
     ``body`` is the OpenAI Response object as returned to the client; ``input_items`` this response's own input
-    items as the API lists them; ``messages`` the whole conversation after this response as (role, text), what a
+    items as the API lists them; ``messages`` the whole conversation after this response as records, what a
     fresh chat would replay; ``chat_state`` an opaque JSON-able dict for resuming the live conversation on the
     server (None: replay ``messages``). The conversation's text stays out of ``repr`` (and so out of logs).
     """
@@ -158,7 +175,7 @@ class StoredResponse:
     status: str = attrs.field(validator=attrs.validators.in_(RESPONSE_STATUSES))
     body: dict[str, Any] = attrs.field(repr=False)
     input_items: tuple[dict[str, Any], ...] = attrs.field(converter=_items, repr=False)
-    messages: tuple[tuple[str, str], ...] = attrs.field(converter=_messages, repr=False)
+    messages: tuple[MessageRecord, ...] = attrs.field(converter=_messages, repr=False)
     previous_response_id: str | None = None
     conversation_id: str | None = None
     chat_state: dict[str, Any] | None = attrs.field(default=None, repr=False)
@@ -169,7 +186,7 @@ class StoredConversation:
     """One stored conversation: its items, and ``head``, the response whose conversation on the server it continues.
 
     ``items`` are all its items as the API lists them (each with an ``id``), in order, and ``messages`` the same as
-    (role, text) pairs, one per item. ``head`` is the latest response added to it, whose history equals the items;
+    records, one per item. ``head`` is the latest response added to it, whose history equals the items;
     None when there is none yet, or once items were added or deleted through the items API (the next turn then
     replays ``messages``).
     """
@@ -179,7 +196,7 @@ class StoredConversation:
     created_at: int
     metadata: dict[str, str] = attrs.field(converter=_metadata)
     items: tuple[dict[str, Any], ...] = attrs.field(converter=_items, repr=False)
-    messages: tuple[tuple[str, str], ...] = attrs.field(converter=_messages, repr=False)
+    messages: tuple[MessageRecord, ...] = attrs.field(converter=_messages, repr=False)
     head: str | None = None
 
 
@@ -225,7 +242,7 @@ class ResponseStore(Protocol):
         expected_head: str | None,
         new_head: str | None,
         items: Sequence[dict[str, Any]] = (),
-        messages: Sequence[Sequence[str]] = (),
+        messages: Sequence[Sequence[Any]] = (),
     ) -> bool:
         """Set the head to ``new_head`` if it is still ``expected_head``, appending ``items`` and ``messages`` (a
         turn's) in the same write; False, changing nothing, when it moved, or the conversation is missing or another
@@ -233,7 +250,7 @@ class ResponseStore(Protocol):
         ...
 
     async def add_conversation_items(
-        self, id: str, /, *, owner: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]]
+        self, id: str, /, *, owner: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[Any]]
     ) -> StoredConversation | None:
         """Append items (and their messages, one each) and clear the head; the conversation as it is now, or None
         when it is missing or another owner's."""
@@ -316,7 +333,7 @@ def _duplicate(kind: str, record_id: str) -> DuplicateIdError:
     return DuplicateIdError(f"a {kind} with id {record_id!r} is stored already: ids are unique", record_id=record_id)
 
 
-def _check_items(id: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]]) -> None:
+def _check_items(id: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[Any]]) -> None:
     """Refuse, before anything changes, items that cannot be stored or that do not pair with their messages."""
     if len(items) != len(messages):
         raise RecordError(f"conversation {id!r}: {len(items)} items and {len(messages)} messages: one message per item")
@@ -325,7 +342,7 @@ def _check_items(id: str, items: Sequence[dict[str, Any]], messages: Sequence[Se
 
 
 def _with_items(
-    c: StoredConversation, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]], head: str | None
+    c: StoredConversation, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[Any]], head: str | None
 ) -> StoredConversation:
     return attrs.evolve(c, items=(*c.items, *items), messages=(*c.messages, *_messages(messages)), head=head)
 
@@ -418,7 +435,7 @@ class MemoryStore:
         expected_head: str | None,
         new_head: str | None,
         items: Sequence[dict[str, Any]] = (),
-        messages: Sequence[Sequence[str]] = (),
+        messages: Sequence[Sequence[Any]] = (),
     ) -> bool:
         self._check_open()
         _check_items(id, items, messages)
@@ -444,7 +461,7 @@ class MemoryStore:
         return _conversation_from_row(encoded)
 
     async def add_conversation_items(
-        self, id: str, /, *, owner: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]]
+        self, id: str, /, *, owner: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[Any]]
     ) -> StoredConversation | None:
         _check_items(id, items, messages)
         return self._change(id, owner, lambda c: _with_items(c, items, messages, None))
@@ -698,7 +715,7 @@ class SQLiteStore:
         expected_head: str | None,
         new_head: str | None,
         items: Sequence[dict[str, Any]] = (),
-        messages: Sequence[Sequence[str]] = (),
+        messages: Sequence[Sequence[Any]] = (),
     ) -> bool:
         _check_items(id, items, messages)  # in the caller: a RecordError is the caller's, not the database's
 
@@ -753,7 +770,7 @@ class SQLiteStore:
         return await self._run(run)
 
     async def add_conversation_items(
-        self, id: str, /, *, owner: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[str]]
+        self, id: str, /, *, owner: str, items: Sequence[dict[str, Any]], messages: Sequence[Sequence[Any]]
     ) -> StoredConversation | None:
         _check_items(id, items, messages)
         return await self._change(id, owner, lambda c: _with_items(c, items, messages, None))
@@ -798,6 +815,9 @@ def _migrate(conn: sqlite3.Connection, version: int) -> None:
     with a head gets the head's history as its items, one message item each, so that listing, adding and deleting
     items start from the whole conversation. A conversation whose head response is gone keeps what it had (its next
     turn is refused as before: its history went with that response).
+
+    2 -> 3: nothing to rewrite (version 2's records are pairs, which version 3 reads as they are): the version moves
+    so that a gateway of version 2 refuses a file that may hold records and items it cannot read.
     """
     if version < 2:
         rows = conn.execute("SELECT id, owner, head FROM conversations WHERE head IS NOT NULL").fetchall()
@@ -806,7 +826,7 @@ def _migrate(conn: sqlite3.Connection, version: int) -> None:
             if found is None:
                 continue
             pairs = _messages(json.loads(found[0]))
-            items = [message_item(_new_item_id(), role, text) for role, text in pairs]
+            items = [message_item(_new_item_id(), rec[0], rec[1]) for rec in pairs]
             conn.execute(
                 "UPDATE conversations SET items = ?, messages = ? WHERE id = ?",
                 (

@@ -360,6 +360,11 @@ class ChatTurn:
     text_decoder: Any = None
     content: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+    # Once the reply is inside a call (a marker seen, or a forced call), stop strings no longer cut it: a stop that
+    # matched inside a call's JSON would leave broken markup (no call, and its text shown). `calls_scanned`: the
+    # bytes of `reply` already looked at for a marker.
+    in_calls: bool = False
+    calls_scanned: int = 0
     sent_at: float | None = None  # when the last piece went out (None: none yet)
     status: TurnStatus = "waiting"
     ending: TurnStatus | None = None  # the end a step decided, until the step's outputs are emitted
@@ -735,11 +740,14 @@ class ChatEngine:
             self._decode(waiting)
         if any(t.next_token is None for t in turns):
             raise RuntimeError("a turn in the step has no sampled token: it was never prefilled")
-        before = [(len(t.reply_ids), bytes(t.reply[t.sent :]), _consumed(t)) for t in turns]
+        before = [
+            (len(t.reply_ids), bytes(t.reply[t.sent :]), _consumed(t), t.in_calls, t.calls_scanned) for t in turns
+        ]
         try:
             self._take(turns, protected={s.key for s in due})
         except BaseException:
-            for turn, (n_ids, tail, consumed) in zip(turns, before, strict=True):
+            for turn, (n_ids, tail, consumed, in_calls, scanned) in zip(turns, before, strict=True):
+                turn.in_calls, turn.calls_scanned = in_calls, scanned
                 del turn.reply_ids[n_ids:]
                 if turn.next_logprob is not None:
                     del turn.logprobs[n_ids:]
@@ -775,7 +783,7 @@ class ChatEngine:
                     chosen, top = turn.next_logprob
                     turn.logprobs.append((token, chosen, top))
                     turn.token_ends.append(len(turn.reply))
-                cut = _find_stop(turn.reply, options.stop, turn.sent)
+                cut = None if self._in_calls(turn) else _find_stop(turn.reply, options.stop, turn.sent)
                 if cut is not None:
                     del turn.reply[cut:]
                     turn.ending = "stop_string"
@@ -788,6 +796,27 @@ class ChatEngine:
                     turn.ending = "context"
             if turn.ending is None:
                 turn.needs_pass = True  # the next pass feeds it its token
+
+    def _in_calls(self, turn: ChatTurn) -> bool:
+        """Whether the reply has entered its tool calls (see ``ChatTurn.in_calls``): a forced call from its first
+        token; under auto once a marker (or, for Llama 3 JSON, a reply starting with ``{``) is in it."""
+        options = turn.options
+        fmt = self.tokenizer.tool_format
+        if turn.in_calls or options is None or not options.reads_calls or fmt is None:
+            return turn.in_calls
+        if options.tool_choice not in ("auto", "none"):
+            turn.in_calls = True
+            return True
+        reply = turn.reply
+        longest = max(len(m.encode()) for m in fmt.markers)
+        start = max(0, turn.calls_scanned - longest + 1)  # a marker may straddle what was scanned and what is new
+        window = bytes(reply[start:])
+        turn.calls_scanned = len(reply)
+        if any(m.encode() in window for m in fmt.markers) or (
+            fmt.starts_with_json and bytes(reply[:256]).lstrip().startswith(b"{")  # its start decides, not its length
+        ):
+            turn.in_calls = True
+        return turn.in_calls
 
     def _piece(self, token: int, *, first: bool, turn: ChatTurn) -> bytes:
         options = turn.options
