@@ -27,7 +27,7 @@ from .._errors import (
     UsageError,
 )
 
-__all__ = ["APIError", "from_sdk", "invalid", "refused"]
+__all__ = ["APIError", "from_sdk", "invalid", "kind_of", "refused", "shown"]
 
 #: Seconds a client is told to wait after a capacity refusal (the ``Retry-After`` header).
 RETRY_AFTER_S: Final = 1
@@ -103,3 +103,26 @@ def from_sdk(err: TritonError, *, param: str | None = None) -> APIError:
     if isinstance(err, InvalidArgumentError | UsageError):
         return invalid(param, text)
     return APIError(500, text, type="server_error", code="server_error")
+
+
+def kind_of(value: object) -> str:
+    """A JSON value's kind as an error message says it ("a string", "an array", "null")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def shown(value: object) -> str:
+    """A given value as an error message quotes it: its repr, cut at 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -29,6 +29,8 @@ import attrs
 from .._errors import ChatOptionError
 from .._sessions import ChatMessage, ResponseFormat, Tool, as_response_format
 from ._errors import APIError, invalid, refused
+from ._errors import kind_of as _kind
+from ._errors import shown as _shown
 from ._tools import (
     MessageRecord,
     ToolChoice,
@@ -195,27 +197,6 @@ class ItemListQuery:
 
 
 # --- small readers ----------------------------------------------------------------------------------------------
-
-
-def _kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _str(body: Mapping[str, Any], key: str, *, required: bool = False, max_bytes: int = 256) -> str | None:

@@ -31,6 +31,8 @@ from typing import Any, Final, TypeAlias
 
 from .._sessions import ChatMessage, Tool, ToolCall
 from ._errors import invalid, refused
+from ._errors import kind_of as _kind
+from ._errors import shown as _shown
 from ._store import MessageRecord
 
 __all__ = [
@@ -63,27 +65,6 @@ _TOOL_NEUTRAL: Final[dict[str, tuple[object, ...]]] = {
     "async": (None, False),
     "output_schema": (None,),
 }
-
-
-def _kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # --- tool definitions -----------------------------------------------------------------------------------------------
