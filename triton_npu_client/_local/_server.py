@@ -286,12 +286,6 @@ def _loggable(command: list[str]) -> str:
     return " ".join(shown)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _check_port_free(host: str, port: int, what: str) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # SO_REUSEADDR as tritonserver binds: a port whose old connections sit in TIME_WAIT (a server
@@ -540,12 +534,18 @@ class LocalTriton:
         # The stub embeds Python and takes sys.prefix from the first python3 on PATH: make it ours.
         env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
         env.update(self._extra_env)
-        for which in ("http", "grpc", "metrics"):
-            port = self._ports[which]
-            if port is None:
-                self._ports[which] = _free_port(self.host)
-            else:
-                _check_port_free(self.host, port, which.upper() if which != "metrics" else "metrics")
+        # The free ports are picked with every picking socket held open until all are picked: a socket closed at
+        # once lets the OS hand the same port out again, and tritonserver then refuses to start (HTTP and metrics on
+        # one port, seen in a suite run).
+        with contextlib.ExitStack() as held:
+            for which in ("http", "grpc", "metrics"):
+                port = self._ports[which]
+                if port is None:
+                    picker = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    picker.bind((self.host, 0))
+                    self._ports[which] = int(picker.getsockname()[1])
+                else:
+                    _check_port_free(self.host, port, which.upper() if which != "metrics" else "metrics")
         args = [
             str(binary),
             f"--model-repository={self.model_repository}",
