@@ -350,7 +350,7 @@ async def solo_reply(stateless: Model, done: Finished) -> str:
         **ChatOptions(**done.options).inputs(),
     }
     if any(m.tool_calls or m.tool_call_id is not None for m in messages):
-        inputs["TOOL_META"] = np.array([meta(m).encode() for m in messages], dtype=np.object_)
+        inputs["TOOL_META"] = np.array([m.tool_meta().encode() for m in messages], dtype=np.object_)
     reply = b""
     calls: tuple[tuple[str, str, str], ...] = ()
     async for r in stateless.stream(**inputs):
@@ -361,17 +361,6 @@ async def solo_reply(stateless: Model, done: Finished) -> str:
         return f"{reply.decode('utf-8', 'replace')} with calls {calls}, not {done.calls}"
     return reply.decode("utf-8", "replace")
 
-
-def meta(message: ChatMessage) -> str:
-    """A message's TOOL_META entry, as the protocol spells it."""
-    fields: dict[str, Any] = {}
-    if message.tool_calls:
-        fields["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in message.tool_calls]
-    if message.tool_call_id is not None:
-        fields["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        fields["name"] = message.name
-    return json.dumps(fields) if fields else ""
 
 
 async def probe(model: Model) -> tuple[int, int]:

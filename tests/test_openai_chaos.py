@@ -327,6 +327,23 @@ def check_events(tally: Tally, what: str, kinds: list[str], deltas: list[str], f
 # --- one turn ---------------------------------------------------------------------------------------------------
 
 
+async def read_stream(oa: Any, kwargs: dict[str, Any]) -> tuple[list[str], list[str], dict[str, Any] | None]:
+    """A streamed Responses turn read whole: its event types, its text deltas and its final response (None: none)."""
+    kinds: list[str] = []
+    deltas: list[str] = []
+    final: dict[str, Any] | None = None
+    async with await oa.responses.create(**kwargs, stream=True) as events:
+        async for event in events:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            elif event.type in ("response.completed", "response.incomplete"):
+                final = event.response.model_dump()
+            elif event.type in ("error", "response.failed"):
+                raise AssertionError(f"the stream failed: {event}")
+    return kinds, deltas, final
+
+
 async def respond(
     gate: Gate,
     user: User,
@@ -356,18 +373,7 @@ async def respond(
     oa = gate.oa(user.key)
     what = f"{user}, {action}"
     if stream:
-        kinds: list[str] = []
-        deltas: list[str] = []
-        final: dict[str, Any] | None = None
-        async with await oa.responses.create(**kwargs, stream=True) as events:
-            async for event in events:
-                kinds.append(event.type)
-                if event.type == "response.output_text.delta":
-                    deltas.append(event.delta)
-                elif event.type in ("response.completed", "response.incomplete"):
-                    final = event.response.model_dump()
-                elif event.type in ("error", "response.failed"):
-                    raise AssertionError(f"the stream failed: {event}")
+        kinds, deltas, final = await read_stream(oa, kwargs)
         check_events(tally, what, kinds, deltas, final)
         assert final is not None
         body = final
@@ -841,16 +847,7 @@ async def do_tool(gate: Gate, user: User, tally: Tally) -> None:
     ask: dict[str, Any] = {"model": "chat", "previous_response_id": called.id, "tools": FLAT, "temperature": 0,
                            "max_output_tokens": user.tokens, "input": output}  # fmt: skip
     if user.rng.random() < 0.5:
-        kinds: list[str] = []
-        deltas: list[str] = []
-        final: dict[str, Any] | None = None
-        async with await oa.responses.create(**ask, stream=True) as events:
-            async for event in events:
-                kinds.append(event.type)
-                if event.type == "response.output_text.delta":
-                    deltas.append(event.delta)
-                elif event.type in ("response.completed", "response.incomplete"):
-                    final = event.response.model_dump()
+        kinds, deltas, final = await read_stream(oa, ask)
         check_events(tally, f"{what} result", kinds, deltas, final)
         assert final is not None
         answered = final

@@ -137,11 +137,7 @@ def read_tools(
         where = f"{param}[{i}]"
         if not isinstance(tool, dict):
             raise invalid(where, f"{where}: expected a tool object, given {_kind(tool)}")
-        kind = tool.get("type")
-        if kind != "function":
-            if isinstance(kind, str):
-                raise refused(f"{where}.type", f"tools of type {kind!r} (function tools only)")
-            raise invalid(f"{where}.type", f"{where}.type: expected 'function', given {_shown(kind)}")
+        _only_functions(where, tool.get("type"), "tools of type {!r} (function tools only)")
         if flat:
             fields = {k: v for k, v in tool.items() if k != "type"}
             made, echo = _function(where, fields, _FLAT_KEYS - {"type"})
@@ -164,6 +160,16 @@ def read_tools(
     return tuple(out), tuple(echoes)
 
 
+def _only_functions(where: str, kind: object, refusal: str) -> None:
+    """A ``type`` that is not ``function``: another kind OpenAI has (a string) is refused as unsupported
+    (``refusal``, formatted with it), anything else is invalid."""
+    if kind == "function":
+        return
+    if isinstance(kind, str):
+        raise refused(f"{where}.type", refusal.format(kind))
+    raise invalid(f"{where}.type", f"{where}.type: expected 'function', given {_shown(kind)}")
+
+
 def read_tool_choice(
     param: str, value: object, names: Sequence[str], *, flat: bool
 ) -> tuple[ToolChoice | None, ToolChoice]:
@@ -180,11 +186,7 @@ def read_tool_choice(
         return value, value
     if not isinstance(value, dict):
         raise invalid(param, f"{param}: expected 'auto', 'none', 'required' or a function, given {_kind(value)}")
-    kind = value.get("type")
-    if kind != "function":
-        if isinstance(kind, str):
-            raise refused(f"{param}.type", f"tool_choice of type {kind!r} (functions only)")
-        raise invalid(f"{param}.type", f"{param}.type: expected 'function', given {_shown(kind)}")
+    _only_functions(param, value.get("type"), "tool_choice of type {!r} (functions only)")
     if flat:
         extra = sorted(set(value) - {"type", "name"})
         name = value.get("name")

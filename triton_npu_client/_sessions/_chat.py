@@ -223,14 +223,18 @@ class ChatMessage:
         """The message's ``TOOL_META`` entry: ``""`` for one without tool fields, else a JSON object of them."""
         if not self.has_tool_fields:
             return ""
-        meta: dict[str, Any] = {}
+        return json.dumps(self.tool_fields(), separators=(",", ":"), ensure_ascii=False)
+
+    def tool_fields(self) -> dict[str, Any]:
+        """The tool-use fields that are set, as plain data (what ``TOOL_META`` and a state's dict write)."""
+        fields: dict[str, Any] = {}
         if self.tool_calls:
-            meta["tool_calls"] = [c.wire for c in self.tool_calls]
+            fields["tool_calls"] = [c.wire for c in self.tool_calls]
         if self.tool_call_id is not None:
-            meta["tool_call_id"] = self.tool_call_id
+            fields["tool_call_id"] = self.tool_call_id
         if self.name is not None:
-            meta["name"] = self.name
-        return json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+            fields["name"] = self.name
+        return fields
 
     @property
     def digest_key(self) -> tuple[str, str]:
@@ -599,14 +603,7 @@ _MESSAGE_TOOL_KEYS: Final = frozenset({"tool_calls", "tool_call_id", "name"})
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.role, "text": m.text}
-    if m.tool_calls:
-        out["tool_calls"] = [c.wire for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        out["name"] = m.name
-    return out
+    return {"role": m.role, "text": m.text, **m.tool_fields()}
 
 
 def _message_from_dict(item: Mapping[str, Any]) -> ChatMessage:
