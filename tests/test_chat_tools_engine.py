@@ -508,3 +508,40 @@ def test_a_stop_string_never_cuts_a_call() -> None:
     assert text(cut) == "Yes"
     assert cut.last.finish == "stop_string"
     assert calls_of(cut) == []
+
+
+def _deep(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"type": "object"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"a": value}}
+    return value
+
+
+@pytest.mark.parametrize("depth", [40, 450])  # 80 and 900 levels: json.dumps in the test writes up to about 990
+def test_tools_and_arguments_nested_too_deeply_are_the_requests_error(depth: int) -> None:
+    """Deep nesting that JSON still reads (a schema of 400 levels fits in max_tools_bytes) once escaped parse as a
+    RecursionError from the template's walk, which would fail the requests batched with it: it is the request's
+    invalid input, naming it, and the engine goes on."""
+    rig = Rig(DEMO, max_ctx=1024)
+    tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": _deep(depth)}}])
+    arguments = json.dumps(_deep(depth))
+    call = meta(tool_calls=[{"id": "c1", "name": "f", "arguments": arguments}])
+    for inputs in ({"tools": tools}, {"tools": tools, "tool_choice": "required"}):
+        with pytest.raises(ValueError, match="TOOLS"):
+            rig.engine.parse(start=True, end=False, roles=["user"], texts=["hi"], **inputs)
+    with pytest.raises(ValueError, match=r"TOOL_META\[1\]"):
+        rig.engine.parse(start=True, end=False, roles=["user", "assistant", "user"], texts=["a", "", "b"],
+                         tool_meta=["", call, ""])
+    assert rig.turn(1, ["user"], ["hi"], tools=json.dumps(TOOLS)).reply  # the engine goes on
+
+
+def test_a_reply_whose_call_nests_too_deeply_is_content() -> None:
+    from triton_npu_client.server.chat._tools import TOOL_FORMATS, parse_tool_calls
+
+    fmt = TOOL_FORMATS["hermes"]
+    for depth in (70, 5000):
+        body = '{"a": ' * depth + "1" + "}" * depth
+        text = f'<tool_call>\n{{"name": "f", "arguments": {body}}}\n</tool_call>'
+        reply = parse_tool_calls(text, fmt)
+        assert reply.tool_calls == ()
+        assert reply.content == text

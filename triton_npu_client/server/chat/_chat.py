@@ -506,6 +506,45 @@ class ChatEngine:
         ``tools`` (TOOLS), ``tool_choice`` (TOOL_CHOICE), ``tool_meta`` (TOOL_META, one entry per message): tool
         calling (``_tools``); a forced call (``required`` or a named function) becomes the turn's constraint.
         """
+        try:
+            return self._parse(
+                start=start, end=end, roles=roles, texts=texts, max_tokens=max_tokens, min_tokens=min_tokens,
+                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, digest=digest,
+                stream_interval_ms=stream_interval_ms, constraint=constraint, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, logprobs=logprobs,
+                tools=tools, tool_choice=tool_choice, tool_meta=tool_meta, key=key,
+            )  # fmt: skip
+        except RecursionError:
+            # Some input nested past what Python walks (each input caps its own nesting; this is the net under
+            # them): this request's invalid input, never an error that escapes execute and fails its batch.
+            raise ValueError("an input (TOOLS, TOOL_META or CONSTRAINT) is nested too deeply to read") from None
+
+    def _parse(
+        self,
+        *,
+        start: bool,
+        end: bool,
+        roles: Sequence[bytes | str] | None,
+        texts: Sequence[bytes | str] | None,
+        max_tokens: int | None,
+        min_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int | None,
+        stop: Sequence[bytes | str],
+        digest: bytes | str | None,
+        stream_interval_ms: int | None,
+        constraint: bytes | str | None,
+        presence_penalty: float | None,
+        frequency_penalty: float | None,
+        repetition_penalty: float | None,
+        logprobs: int | None,
+        tools: bytes | str | None,
+        tool_choice: bytes | str | None,
+        tool_meta: Sequence[bytes | str] | None,
+        key: CorrelationId | None,
+    ) -> ChatTurn:
         if stream_interval_ms is not None and not 0 <= int(stream_interval_ms) <= proto.STREAM_INTERVAL_MAX_MS:
             longest = proto.STREAM_INTERVAL_MAX_MS
             raise ValueError(f"STREAM_INTERVAL_MS must be in 0..{longest} milliseconds, got {int(stream_interval_ms)}")

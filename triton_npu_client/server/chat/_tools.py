@@ -102,8 +102,12 @@ class ToolCall:
             value = json.loads(self.arguments)
         except ValueError:
             raise ValueError(f"tool call {self.name!r}: arguments are not JSON: {self.arguments!r:.120}") from None
+        except RecursionError:
+            raise ValueError(f"tool call {self.name!r}: arguments are nested too deeply to read") from None
         if not isinstance(value, dict):
             raise ValueError(f"tool call {self.name!r}: arguments must be a JSON object, got {self.arguments!r:.120}")
+        # A template walks the arguments recursively: a call that could not be rendered is no call.
+        _check_nesting(value, f"tool call {self.name!r}: arguments")
         if self.id is not None and not isinstance(self.id, str):
             raise ValueError(f"tool call {self.name!r}: id must be a string, got {self.id!r:.80}")
 
@@ -420,13 +424,19 @@ def parse_tool_calls(text: str, fmt: ToolFormat, *, salt: str = "") -> ParsedRep
     if split is None:
         return ParsedReply(text)
     content, section = split
-    calls = fmt.parse(section)
+    try:
+        calls = fmt.parse(section)
+    except RecursionError:  # a model's JSON nested past what Python reads: malformed, like any other
+        return ParsedReply(text)
     if not calls:
         return ParsedReply(text)
     out: list[ToolCall] = []
     taken: set[str] = set()
     for i, c in enumerate(calls):
-        out.append(ToolCall(c.name, c.arguments, _id(fmt, salt, i, c, taken)))
+        try:
+            out.append(ToolCall(c.name, c.arguments, _id(fmt, salt, i, c, taken)))
+        except ValueError:  # arguments nested deeper than a template may walk: malformed too
+            return ParsedReply(text)
         taken.add(str(out[-1].id))
     return ParsedReply(content, tuple(out))
 
@@ -616,12 +626,32 @@ def _json_input(raw: bytes | str, name: str, what: str) -> Any:
         raise ValueError(f"{name}: expected {what}, given JSON nested too deeply to read") from None
 
 
+#: The deepest nesting a tool definition or a call's arguments may have. Far below Python's recursion limit: the
+#: template and its marking walk them recursively, on an execute thread and again on the loop's thread, and real
+#: schemas and arguments nest a few levels.
+MAX_TOOL_NESTING: Final = 64
+
+
+def _check_nesting(value: object, where: str) -> None:
+    """``ValueError`` naming ``where`` when ``value`` nests lists and objects deeper than :data:`MAX_TOOL_NESTING`
+    (walked without recursion, so the check itself never runs out of stack)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_TOOL_NESTING:
+                raise ValueError(f"{where}: nested deeper than {MAX_TOOL_NESTING} levels")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+
+
 def parse_tools_input(raw: bytes | str) -> tuple[dict[str, Any], ...]:
     """The ``TOOLS`` input: a JSON array of OpenAI tool definitions, checked (:func:`check_tools`); ``ValueError``
     naming the input."""
     value = _json_input(raw, "TOOLS", "a JSON array of tools")
     if not isinstance(value, list):
         raise ValueError(f"TOOLS: expected a JSON array of tools, given a JSON {type(value).__name__}")
+    _check_nesting(value, "TOOLS")
     try:
         return tuple(check_tools(value))
     except ValueError as err:
@@ -677,6 +707,7 @@ def parse_tool_meta(raw: bytes | str, role: str, where: str) -> MessageTools:
     if not raw:
         return NO_TOOLS
     value = _json_input(raw, where, "a JSON object of tool fields")
+    _check_nesting(value, where)
     if not isinstance(value, dict):
         raise ValueError(f"{where}: expected a JSON object of tool fields, given a JSON {type(value).__name__}")
     unknown = sorted(set(value) - _META_KEYS)
